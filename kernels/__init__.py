@@ -1,0 +1,1 @@
+"""Triton kernels, each with a torch twin it is tested against (installed as sgl_sparsekv.kernels)."""

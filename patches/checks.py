@@ -1,0 +1,91 @@
+"""Startup checks: combinations of SGLang flags and models that sparse decoding does not support.
+
+Each failure is a ConfigError with one line naming the flag or the model property.
+"""
+
+from __future__ import annotations
+
+from sgl_sparsekv.config import ConfigError, SparseKVConfig
+
+SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
+
+_HYBRID_ARCH_MARKS = ("mamba", "jamba", "nemotronh", "qwen3next", "falconh1", "granitemoehybrid", "lfm2",
+                      "kimilinear", "minimax", "rwkv", "zamba", "plamo2")
+
+
+def check_server_args(sa, cfg: SparseKVConfig) -> None:
+    def bad(flag, why):
+        raise ConfigError(f"--sparse-kv {cfg.method}: {flag} {why}")
+
+    if getattr(sa, "speculative_algorithm", None):
+        bad("--speculative-algorithm", "(speculative decoding) is not supported")
+    if getattr(sa, "enable_mixed_chunk", False):
+        bad("--enable-mixed-chunk", "is not supported (decode steps must not share a batch with prefill)")
+    if getattr(sa, "enable_two_batch_overlap", False):
+        bad("--enable-two-batch-overlap", "is not supported")
+    if getattr(sa, "enable_pdmux", False):
+        bad("--enable-pdmux", "is not supported")
+    if getattr(sa, "enable_hierarchical_cache", False):
+        bad("--enable-hierarchical-cache", "is not supported yet (the host KV tier is planned)")
+    if getattr(sa, "disaggregation_mode", "null") not in ("null", None):
+        bad("--disaggregation-mode", "is not supported")
+    for flag, attr in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
+        if (getattr(sa, attr, 1) or 1) > 1:
+            bad(flag, "> 1 is not supported yet")
+    if getattr(sa, "enable_dp_attention", False):
+        bad("--enable-dp-attention", "is not supported")
+    for flag, attr in (("--attention-backend", "attention_backend"),
+                       ("--prefill-attention-backend", "prefill_attention_backend"),
+                       ("--decode-attention-backend", "decode_attention_backend")):
+        value = getattr(sa, attr, None)
+        if value is not None and value not in SUPPORTED_BACKENDS:
+            bad(f"{flag} {value}", f"is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}")
+    if getattr(sa, "is_embedding", False):
+        bad("--is-embedding", "has no decode phase to sparsify")
+    check_model(_hf_config(sa), cfg)
+
+
+def _hf_config(sa):
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(sa.model_path, trust_remote_code=getattr(sa, "trust_remote_code", False),
+                                          revision=getattr(sa, "revision", None))
+    except Exception as e:  # unreadable config: let SGLang report it its own way
+        return None
+
+
+def check_model(hf, cfg: SparseKVConfig) -> None:
+    """Reject model families whose attention the sparse path would get wrong."""
+    if hf is None:
+        return
+    text = getattr(hf, "text_config", None) or hf
+    archs = " ".join(getattr(hf, "architectures", None) or []).lower() + " " + str(getattr(hf, "model_type", "")).lower()
+
+    def bad(why):
+        raise ConfigError(f"--sparse-kv {cfg.method}: unsupported model ({why})")
+
+    if getattr(text, "kv_lora_rank", None) or getattr(text, "q_lora_rank", None):
+        bad("MLA attention")
+    if any(m in archs for m in _HYBRID_ARCH_MARKS) or getattr(text, "layers_block_type", None) \
+            or getattr(text, "hybrid_override_pattern", None):
+        bad("hybrid Mamba / linear-attention layers")
+    layer_types = getattr(text, "layer_types", None) or []
+    if any("sliding" in str(t) for t in layer_types) or (
+            getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+            and not layer_types):
+        bad("sliding-window attention")
+    if getattr(hf, "is_encoder_decoder", False):
+        bad("encoder-decoder")
+    layers = getattr(text, "num_hidden_layers", None)
+    if layers is not None and cfg.dense_layers >= layers:
+        raise ConfigError(f"sparse-kv config: dense_layers ({cfg.dense_layers}) must be < the model's "
+                          f"{layers} layers, or no layer is sparse")
+
+
+def check_runner(runner, cfg: SparseKVConfig) -> None:
+    """The same model checks in the scheduler, on the config SGLang actually loaded."""
+    check_model(runner.model_config.hf_config, cfg)
+    if runner.device != "cpu" and not runner.server_args.disable_cuda_graph:
+        raise ConfigError(f"--sparse-kv {cfg.method} on {runner.device}: CUDA graphs need the Triton decode path, "
+                          "which is not built yet; add --disable-cuda-graph")

@@ -1,0 +1,66 @@
+"""``--sparse-kv`` / ``--sparse-kv-config`` on SGLang's ServerArgs (CLI, ``sglang serve`` and Engine).
+
+The parsed, validated config travels to the scheduler process as two plain attributes of
+ServerArgs (``sparse_kv``: the method, ``sparse_kv_config``: the effective config as a dict),
+which survive the pickling SGLang uses to start its subprocesses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from sgl_sparsekv.config import METHODS, ConfigError, SparseKVConfig
+
+logger = logging.getLogger("sgl_sparsekv")
+
+
+def add_cli_args(original, parser: argparse.ArgumentParser):
+    original(parser)
+    group = parser.add_argument_group("sparse KV decoding (sgl-sparsekv)")
+    group.add_argument("--sparse-kv", choices=METHODS, default="off",
+                       help="Retrieval-based sparse decoding: 'lychee' (LycheeCluster), 'quest' (Quest "
+                            "baseline) or 'off' (default; SGLang unchanged).")
+    group.add_argument("--sparse-kv-config", default=None, metavar="FILE_OR_JSON",
+                       help="Overrides for the sparse-kv config: a JSON file or an inline JSON object "
+                            "(keys: see configs/*.json and the sgl-sparsekv README).")
+
+
+def attach(server_args, method: str, overrides) -> None:
+    """Validate and store the config on ``server_args``; raises ConfigError with one line."""
+    from sgl_sparsekv.patches.checks import check_server_args
+
+    cfg = SparseKVConfig.from_method(method, overrides)
+    if cfg.enabled:
+        check_server_args(server_args, cfg)
+    server_args.sparse_kv = cfg.method
+    server_args.sparse_kv_config = cfg.to_dict()
+
+
+def from_cli_args(original, cls, args: argparse.Namespace):
+    method = getattr(args, "sparse_kv", "off")
+    if method != "off" and getattr(args, "device", None) == "cpu" and getattr(args, "attention_backend", None) is None:
+        args.attention_backend = "torch_native"  # SGLang's x86 CPU default (intel_amx) is not a decode backend we wrap
+    server_args = original(cls, args)
+    try:
+        attach(server_args, method, getattr(args, "sparse_kv_config", None))
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    return server_args
+
+
+def server_args_init(original, self, *args, **kwargs):
+    """``sglang.Engine(..., sparse_kv="lychee", sparse_kv_config={...})`` and ``ServerArgs(...)``."""
+    method = kwargs.pop("sparse_kv", "off")
+    overrides = kwargs.pop("sparse_kv_config", None)
+    if method != "off" and kwargs.get("device") == "cpu" and kwargs.get("attention_backend") is None:
+        kwargs["attention_backend"] = "torch_native"
+    original(self, *args, **kwargs)
+    attach(self, method, overrides)
+
+
+def config_of(server_args) -> SparseKVConfig:
+    data = getattr(server_args, "sparse_kv_config", None)
+    if not data:
+        return SparseKVConfig(method="off")
+    return SparseKVConfig.from_dict(data)

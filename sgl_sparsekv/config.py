@@ -1,0 +1,165 @@
+"""SparseKVConfig: one typed, validated object for every sparse-decoding knob.
+
+Defaults follow the LycheeCluster paper (budget 1024, chunks of 8-16 tokens, fine clusters of
+2 chunks on average, at most 64 coarse units, 10 spherical k-means iterations, 16 sink tokens,
+first 2 layers dense) and Quest (16-token pages). A config is built from the method named by
+``--sparse-kv`` plus optional overrides (a JSON file or a JSON string); anything unknown,
+mistyped or impossible raises :class:`ConfigError` with one line that names the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+METHODS = ("off", "lychee", "quest")
+_TYPES = {"int": int, "float": (int, float), "str": str}
+
+
+class ConfigError(ValueError):
+    """A bad ``--sparse-kv`` flag or config; the message is one line that names the culprit."""
+
+
+@dataclass(frozen=True)
+class SparseKVConfig:
+    method: str = "off"
+    # Tokens attended per decode step and KV head, sink and recent window included.
+    token_budget: int = 1024
+    # The first `sink_tokens` and the last `recent_window` tokens are always attended.
+    sink_tokens: int = 16
+    recent_window: int = 64
+    # Layers [0, dense_layers) always attend densely.
+    dense_layers: int = 2
+    # How query heads of one GQA group agree on one selection: "max" takes the largest
+    # bound over the group's heads, "mean" scores with the group's mean query.
+    gqa_reduce: str = "max"
+    # --- lychee ---
+    # "structure": boundary-aware cuts; "fixed": cuts every chunk_max tokens (ablation).
+    chunking: str = "structure"
+    chunk_min: int = 8
+    chunk_max: int = 16
+    fine_cluster_size: float = 2.0
+    max_coarse: int = 64
+    kmeans_iters: int = 10
+    # Coarse units are expanded in bound order until their fine clusters hold
+    # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py).
+    coarse_expand: float = 4.0
+    # --- quest ---
+    page_size: int = 16
+
+    # Keys that only one method reads; giving them to the other is an error, not a no-op.
+    _ONLY = {
+        "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
+                   "kmeans_iters", "coarse_expand"),
+        "quest": ("page_size",),
+    }
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @property
+    def unit_max(self) -> int:
+        """Largest retrieval unit (chunk or page) in tokens."""
+        return self.chunk_max if self.method == "lychee" else self.page_size
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"--sparse-kv: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        for f in dataclasses.fields(self):
+            v, want = getattr(self, f.name), _TYPES[f.type]
+            if isinstance(v, bool) or not isinstance(v, want):
+                name = f.type
+                raise ConfigError(f"sparse-kv config: key {f.name!r} must be {name}, got {type(v).__name__} {v!r}")
+        positive = ("token_budget", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
+                    "kmeans_iters", "page_size", "coarse_expand")
+        for k in positive:
+            if getattr(self, k) <= 0:
+                raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")
+        for k in ("sink_tokens", "recent_window", "dense_layers"):
+            if getattr(self, k) < 0:
+                raise ConfigError(f"sparse-kv config: key {k!r} must be >= 0, got {getattr(self, k)}")
+        if self.chunk_min > self.chunk_max:
+            raise ConfigError(f"sparse-kv config: chunk_min ({self.chunk_min}) > chunk_max ({self.chunk_max})")
+        if self.chunking not in ("structure", "fixed"):
+            raise ConfigError(f"sparse-kv config: key 'chunking' must be 'structure' or 'fixed', got {self.chunking!r}")
+        if self.gqa_reduce not in ("max", "mean"):
+            raise ConfigError(f"sparse-kv config: key 'gqa_reduce' must be 'max' or 'mean', got {self.gqa_reduce!r}")
+        if self.coarse_expand < 1:
+            raise ConfigError(f"sparse-kv config: key 'coarse_expand' must be >= 1, got {self.coarse_expand}")
+        if self.enabled:
+            # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
+            # leave room for at least one retrieved unit beside the sink and the window.
+            if self.recent_window < self.unit_max:
+                raise ConfigError(f"sparse-kv config: recent_window ({self.recent_window}) must be >= the largest "
+                                  f"chunk/page ({self.unit_max}) so unindexed tokens are always attended")
+            need = self.sink_tokens + self.recent_window + self.unit_max
+            if self.token_budget < need:
+                raise ConfigError(f"sparse-kv config: token_budget ({self.token_budget}) must be >= sink_tokens + "
+                                  f"recent_window + one chunk/page = {need}")
+
+    # ---------------------------------------------------------------- building
+    @classmethod
+    def from_method(cls, method: str, overrides: str | dict | None = None) -> "SparseKVConfig":
+        """``--sparse-kv METHOD [--sparse-kv-config FILE_OR_JSON]`` -> a validated config."""
+        if method not in METHODS:
+            raise ConfigError(f"--sparse-kv: unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        data = load_overrides(overrides)
+        if method == "off":
+            if data:
+                raise ConfigError("--sparse-kv-config was given but --sparse-kv is off; add --sparse-kv lychee or quest")
+            return cls(method="off")
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key == "method":
+                if data[key] != method:
+                    raise ConfigError(f"sparse-kv config: key 'method' is {data[key]!r} but --sparse-kv is {method!r}")
+                continue
+            if key not in names:
+                raise ConfigError(f"sparse-kv config: unknown key {key!r}")
+            for other, keys in cls._ONLY.items():
+                if other != method and key in keys:
+                    raise ConfigError(f"sparse-kv config: key {key!r} applies to --sparse-kv {other}, not {method}")
+        data.pop("method", None)
+        return cls(method=method, **data)
+
+    def to_dict(self) -> dict[str, Any]:
+        keys = [f.name for f in dataclasses.fields(self)]
+        for other, only in self._ONLY.items():
+            if other != self.method:
+                keys = [k for k in keys if k not in only]
+        return {k: getattr(self, k) for k in keys}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SparseKVConfig":
+        return cls(**data)
+
+
+def load_overrides(src: str | dict | None) -> dict[str, Any]:
+    """A JSON object given inline, as a path to a JSON file, or already parsed."""
+    if src is None or src == "":
+        return {}
+    if isinstance(src, dict):
+        return dict(src)
+    text = src.strip()
+    if not text.startswith("{"):
+        if not os.path.isfile(text):
+            raise ConfigError(f"--sparse-kv-config: {text!r} is neither a JSON object nor an existing file")
+        with open(text) as f:
+            text = f.read()
+        where = src
+    else:
+        where = "inline JSON"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--sparse-kv-config: {where} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--sparse-kv-config: {where} must hold a JSON object, got {type(data).__name__}")
+    return data

@@ -1,0 +1,152 @@
+"""The LycheeCluster index of one request and layer: chunks -> fine clusters -> coarse units.
+
+All tensors are batched over the layer's KV heads ``H``; each head clusters on its own.
+Every node keeps its centroid ``mu`` and a covering radius ``r`` such that for every chunk key
+``k`` below it, ``|k - mu| <= r``. Then for any query ``q`` (Cauchy-Schwarz)
+
+    q.k <= q.mu + |q| r = UB(q, node)
+
+A coarse unit's radius covers its descendants' *chunks* (``max |mu_c - mu_g| + r_c`` over its
+fine clusters), not only the fine centroids, so a coarse bound is never below any of its
+children's bounds: pruning by coarse bounds never drops a cluster that the fine bounds would
+rank above a kept one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
+    """Batched spherical k-means with inner-product assignment.
+
+    x: [H, N, d] unit vectors. Deterministic: centroids start at evenly spaced points.
+    Returns (centroids [H, k, d] unit, assign [H, N] int64). A cluster that loses all members
+    keeps its previous centroid (and is reported empty by its zero count downstream).
+    """
+    H, N, d = x.shape
+    k = max(1, min(k, N))
+    init = torch.linspace(0, N - 1, k, device=x.device).round().long()
+    cent = x[:, init].clone()
+    assign = torch.zeros(H, N, dtype=torch.long, device=x.device)
+    for _ in range(max(1, iters)):
+        assign = torch.einsum("hnd,hkd->hnk", x, cent).argmax(-1)
+        sums = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
+        counts = torch.zeros(H, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
+        cent = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), cent)
+    return cent, assign
+
+
+def _scatter_max(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.full(src.shape[:-1] + (n,), NEG_INF, dtype=src.dtype, device=src.device)
+    return out.scatter_reduce_(-1, index, src, reduce="amax", include_self=True)
+
+
+def _scatter_sum(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros(src.shape[:-1] + (n,), dtype=src.dtype, device=src.device)
+    return out.scatter_add_(-1, index, src)
+
+
+@dataclass
+class ClusterIndex:
+    """Three-level index over ``M`` chunks for ``H`` KV heads (one request, one layer)."""
+
+    fine_mu: torch.Tensor      # [H, L, d]
+    fine_r: torch.Tensor       # [H, L]; -inf for empty clusters
+    fine_n: torch.Tensor       # [H, L] chunks per fine cluster
+    fine_tokens: torch.Tensor  # [H, L] tokens per fine cluster
+    fine_parent: torch.Tensor  # [H, L] coarse unit of each fine cluster
+    coarse_mu: torch.Tensor    # [H, P, d]
+    coarse_r: torch.Tensor     # [H, P]
+    coarse_n: torch.Tensor     # [H, P] chunks per coarse unit
+    coarse_tokens: torch.Tensor  # [H, P]
+    chunk_fine: torch.Tensor   # [H, M] fine cluster of each chunk
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_fine.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in vars(self).values())
+
+
+def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -> tuple[int, int]:
+    """L fine clusters (about ``fine_cluster_size`` chunks each) and P <= max_coarse coarse units (~sqrt L)."""
+    L = max(1, min(num_chunks, math.ceil(num_chunks / fine_cluster_size)))
+    P = max(1, min(max_coarse, L, math.ceil(math.sqrt(L))))
+    return L, P
+
+
+def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
+                max_coarse: int, iters: int) -> ClusterIndex:
+    """keys: [H, M, d] unit chunk keys; chunk_len: [M] tokens per chunk."""
+    H, M, d = keys.shape
+    L, P = cluster_counts(M, fine_cluster_size, max_coarse)
+    fine_mu, chunk_fine = spherical_kmeans(keys, L, iters)
+    dist = (keys - fine_mu.gather(1, chunk_fine[..., None].expand(-1, -1, d))).norm(dim=-1)
+    fine_r = _scatter_max(dist, chunk_fine, L)
+    ones = torch.ones_like(dist)
+    fine_n = _scatter_sum(ones, chunk_fine, L)
+    fine_tokens = _scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
+
+    coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
+    reach = (fine_mu - coarse_mu.gather(1, fine_parent[..., None].expand(-1, -1, d))).norm(dim=-1) + fine_r
+    coarse_r = _scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
+    coarse_n = _scatter_sum(fine_n, fine_parent, P)
+    coarse_tokens = _scatter_sum(fine_tokens, fine_parent, P)
+    return ClusterIndex(fine_mu, fine_r, fine_n, fine_tokens, fine_parent,
+                        coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine)
+
+
+def graft(index: ClusterIndex, key: torch.Tensor, length: int) -> None:
+    """Lazy update: add one chunk (``key`` [H, d], unit) to its nearest fine cluster, in place.
+
+    Centroids move by running mean; radii grow by the centroid's shift (so old members stay
+    covered without being revisited) and to cover the new chunk.
+    """
+    H, L, d = index.fine_mu.shape
+    heads = torch.arange(H, device=key.device)
+    sim = torch.einsum("hld,hd->hl", index.fine_mu, key)
+    sim = sim.masked_fill(index.fine_n == 0, NEG_INF)
+    c = sim.argmax(-1)                                   # [H]
+    n_c = index.fine_n[heads, c]
+    mu_c = index.fine_mu[heads, c]
+    new_mu_c = mu_c + (key - mu_c) / (n_c + 1)[:, None]
+    shift_c = (new_mu_c - mu_c).norm(dim=-1)
+    old_r_c = index.fine_r[heads, c].clamp_min(0)  # an empty cluster starts at radius 0
+    new_r_c = torch.maximum(old_r_c + shift_c, (key - new_mu_c).norm(dim=-1))
+    index.fine_mu[heads, c] = new_mu_c
+    index.fine_r[heads, c] = new_r_c
+    index.fine_n[heads, c] = n_c + 1
+    index.fine_tokens[heads, c] += length
+
+    g = index.fine_parent[heads, c]
+    n_g = index.coarse_n[heads, g]
+    mu_g = index.coarse_mu[heads, g]
+    new_mu_g = mu_g + (key - mu_g) / (n_g + 1)[:, None]
+    shift_g = (new_mu_g - mu_g).norm(dim=-1)
+    old_r_g = index.coarse_r[heads, g].clamp_min(0)
+    reach = (new_mu_c - new_mu_g).norm(dim=-1) + new_r_c
+    index.coarse_mu[heads, g] = new_mu_g
+    index.coarse_r[heads, g] = torch.maximum(old_r_g + shift_g, reach)
+    index.coarse_n[heads, g] = n_g + 1
+    index.coarse_tokens[heads, g] += length
+    index.chunk_fine = torch.cat([index.chunk_fine, c[:, None]], dim=1)
+
+
+def upper_bound(q: torch.Tensor, mu: torch.Tensor, r: torch.Tensor, reduce: str) -> torch.Tensor:
+    """UB of every node for a GQA group. q: [H, G, d]; mu: [H, N, d]; r: [H, N] -> [H, N].
+
+    ``max``: the largest bound over the group's query heads (a node matters if any head wants it);
+    ``mean``: the bound of the group's mean query.
+    """
+    if reduce == "mean":
+        q = q.mean(dim=1, keepdim=True)
+    ub = torch.einsum("hgd,hnd->hgn", q, mu) + q.norm(dim=-1)[..., None] * r[:, None, :]
+    return ub.amax(dim=1)

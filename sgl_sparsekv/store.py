@@ -1,0 +1,144 @@
+"""UnitStore: summaries of retrieval units (lychee chunks, quest pages), shared through the radix cache.
+
+A unit is a run of token positions ``[start, end)`` of some token sequence. Its summary (per
+sparse layer and KV head: the L2-normalized mean key for lychee, the key min and max for quest)
+is stored once and *keyed by the KV slot of its last token*. Requests that share a cached prefix
+share those slots, so a new request finds the prefix's units by reading the slots its radix hit
+gave it, without recomputing anything.
+
+Why the last token's slot: SGLang frees KV slots from the tail of a path (eviction takes leaves,
+a node split only relabels), so when any slot of a unit is freed its last slot is freed too,
+which drops the key. Summaries are reference counted: the slot holds one reference and every
+request whose chain uses the unit holds one, so a request keeps its units even if a duplicate
+of its KV is freed under it (e.g. when the radix cache deduplicates on insert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class UnitStore:
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 vecs_per_unit: int, device: torch.device | str = "cpu", capacity: int = 1024,
+                 dtype: torch.dtype = torch.float32):
+        self.device = torch.device(device)
+        self.shape = (num_kv_heads, vecs_per_unit, head_dim)
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.slot_token = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
+        self.slot_unit = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)
+        self.capacity = 0
+        self.unit_start = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.unit_end = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.refs = torch.empty(0, dtype=torch.int32, device=self.device)
+        self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
+        self._free: list[int] = []
+        self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
+        self._grow(capacity)
+
+    # ------------------------------------------------------------------ storage
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        if capacity <= old:
+            return
+        pad = capacity - old
+        dev = self.device
+        self.unit_start = torch.cat([self.unit_start, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        self.unit_end = torch.cat([self.unit_end, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        self.refs = torch.cat([self.refs, torch.zeros(pad, dtype=torch.int32, device=dev)])
+        summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=dev)
+        summary[:, :old] = self.summary
+        self.summary = summary
+        self._free.extend(range(capacity - 1, old - 1, -1))
+        self.capacity = capacity
+
+    def _alloc(self) -> int:
+        if not self._free:
+            self._grow(max(1024, 2 * self.capacity))
+        return self._free.pop()
+
+    @property
+    def live_units(self) -> int:
+        return self.capacity - len(self._free)
+
+    def nbytes(self) -> int:
+        per_unit = self.summary[:, :1].numel() * self.summary.element_size() + 8 + 8 + 4
+        return self.live_units * per_unit
+
+    # ------------------------------------------------------------------ units
+    def add_or_reuse(self, start: int, end: int, last_slot: int) -> tuple[int, bool]:
+        """The unit ``[start, end)`` whose last token sits in ``last_slot``; one reference for the caller.
+
+        Returns (unit id, True if its summary must still be computed).
+        """
+        uid = int(self.slot_unit[last_slot])
+        if uid >= 0 and int(self.unit_start[uid]) == start and int(self.unit_end[uid]) == end:
+            self.refs[uid] += 1
+            self.stats["units_reused"] += 1
+            return uid, False
+        if uid >= 0:  # a different unit ends here (other chunking settings): the slot changes hands
+            self.release([uid])
+        uid = self._alloc()
+        self.unit_start[uid], self.unit_end[uid] = start, end
+        self.refs[uid] = 2  # the slot's reference and the caller's
+        self.slot_unit[last_slot] = uid
+        self.stats["units_built"] += 1
+        return uid, True
+
+    def chain(self, slots: torch.Tensor, lookahead: int) -> list[int]:
+        """Units reusable for a request whose first ``len(slots)`` tokens sit in ``slots``.
+
+        Follows the unit chain from position 0 and stops at the first gap or at the first unit
+        whose cut could depend on tokens past the prefix (start + lookahead > prefix length).
+        Takes one reference per returned unit.
+        """
+        n = len(slots)
+        if n == 0:
+            return []
+        ids = self.slot_unit[slots]
+        ends = torch.nonzero(ids >= 0).flatten()
+        found: list[int] = []
+        pos = 0
+        for e, uid in zip(ends.tolist(), ids[ends].tolist()):
+            start = int(self.unit_start[uid])
+            if start > pos:
+                break
+            if start < pos or int(self.unit_end[uid]) != e + 1:
+                continue  # a unit of another chain ends here; ours may end further on
+            if start + lookahead > n:
+                break
+            found.append(uid)
+            pos = e + 1
+        if found:
+            self.refs[torch.tensor(found, device=self.device)] += 1
+            self.stats["units_reused"] += len(found)
+        return found
+
+    def release(self, ids) -> None:
+        for uid in ids:
+            self.refs[uid] -= 1
+            if int(self.refs[uid]) == 0:
+                self._free.append(int(uid))
+                self.stats["units_freed"] += 1
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """KV slots went back to the allocator: drop the units keyed by them."""
+        slots = slots.to(self.device, torch.int64)
+        ids = self.slot_unit[slots]
+        hit = ids >= 0
+        if hit.any():
+            self.slot_unit[slots[hit]] = -1
+            self.release(ids[hit].tolist())
+
+    def clear(self) -> None:
+        """Every slot was freed (cache flush). Units still used by live requests keep their reference."""
+        self.free_slots(torch.nonzero(self.slot_unit >= 0).flatten())
+
+    def snapshot(self) -> dict[tuple[int, int, int], torch.Tensor]:
+        """{(last slot, start, end): summary} of every keyed unit; for tests that compare with a rebuild."""
+        out = {}
+        for slot in torch.nonzero(self.slot_unit >= 0).flatten().tolist():
+            uid = int(self.slot_unit[slot])
+            out[(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))] = self.summary[:, uid].clone()
+        return out
