@@ -35,6 +35,36 @@ def _boundary_table(runner, cfg: SparseKVConfig) -> BoundaryTable | None:
     return BoundaryTable.from_tokenizer(tok, runner.model_config.vocab_size)
 
 
+def watch_frees(manager: SparseKVManager, req_pool, allocator) -> None:
+    """Tell ``manager`` about freed request rows and KV slots (it applies them at its next batch).
+
+    Wraps the two pool instances' free/clear methods; SGLang's own classes stay untouched.
+    """
+    free_req, clear_req = req_pool.free, req_pool.clear
+    free_slots, clear_slots = allocator.free, allocator.clear
+
+    def req_free(req):
+        idx = req.req_pool_idx
+        free_req(req)
+        manager.request_freed(idx)
+
+    def req_clear():
+        clear_req()
+        for idx in list(manager.states):
+            manager.request_freed(idx)
+
+    def slot_free(free_index):
+        manager.slots_freed(free_index)
+        return free_slots(free_index)
+
+    def slot_clear():
+        clear_slots()
+        manager.cache_cleared()
+
+    req_pool.free, req_pool.clear = req_free, req_clear
+    allocator.free, allocator.clear = slot_free, slot_clear
+
+
 class SparseKVAttnBackend(AttentionBackend):
     def __init__(self, runner, inner: AttentionBackend, cfg: SparseKVConfig):
         super().__init__()
@@ -50,39 +80,12 @@ class SparseKVAttnBackend(AttentionBackend):
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg))
-        self._watch_frees(runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+        watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()
         self.decode_sparse = False
         self._last_log = 0.0
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,
                     type(inner).__name__, cfg.to_dict())
-
-    def _watch_frees(self, req_pool, allocator) -> None:
-        """Learn about freed requests and KV slots (applied at the next batch, see SparseKVManager)."""
-        manager = self.manager
-        free_req, clear_req = req_pool.free, req_pool.clear
-        free_slots, clear_slots = allocator.free, allocator.clear
-
-        def req_free(req):
-            idx = req.req_pool_idx
-            free_req(req)
-            manager.request_freed(idx)
-
-        def req_clear():
-            clear_req()
-            for idx in list(manager.states):
-                manager.request_freed(idx)
-
-        def slot_free(free_index):
-            manager.slots_freed(free_index)
-            return free_slots(free_index)
-
-        def slot_clear():
-            clear_slots()
-            manager.cache_cleared()
-
-        req_pool.free, req_pool.clear = req_free, req_clear
-        allocator.free, allocator.clear = slot_free, slot_clear
 
     # ------------------------------------------------------------------ metadata, once per batch
     def init_forward_metadata(self, forward_batch):

@@ -130,6 +130,8 @@ class SparseKVConfig:
         return cls(method=method, **data)
 
     def to_dict(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {"method": "off"}
         keys = [f.name for f in dataclasses.fields(self)]
         for other, only in self._ONLY.items():
             if other != self.method:

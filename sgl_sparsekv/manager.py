@@ -159,7 +159,8 @@ class SparseKVManager:
         slots = row[start:seq_len].to(torch.int64)
         prev = 0
         for end in self.chunker.cuts(self.store.slot_token[slots]).tolist():
-            uid, fresh = self.store.add_or_reuse(start + prev, start + end, int(slots[end - 1]))
+            key_slot = int(slots[prev + self.chunker.lookahead - 1])  # last token the cut depended on
+            uid, fresh = self.store.add_or_reuse(start + prev, start + end, key_slot)
             if fresh:
                 plan.add(uid, slots[prev:end])
             state.units.append(uid)

@@ -2,15 +2,19 @@
 
 A unit is a run of token positions ``[start, end)`` of some token sequence. Its summary (per
 sparse layer and KV head: the L2-normalized mean key for lychee, the key min and max for quest)
-is stored once and *keyed by the KV slot of its last token*. Requests that share a cached prefix
-share those slots, so a new request finds the prefix's units by reading the slots its radix hit
-gave it, without recomputing anything.
+is stored once and *keyed by the KV slot of the last token of its decision window* (position
+``start + lookahead - 1``, see ``Chunker.lookahead``). Requests that share a cached prefix share
+those slots, so a new request finds the prefix's units by reading the slots its radix hit gave
+it, without recomputing anything.
 
-Why the last token's slot: SGLang frees KV slots from the tail of a path (eviction takes leaves,
-a node split only relabels), so when any slot of a unit is freed its last slot is freed too,
-which drops the key. Summaries are reference counted: the slot holds one reference and every
-request whose chain uses the unit holds one, so a request keeps its units even if a duplicate
-of its KV is freed under it (e.g. when the radix cache deduplicates on insert).
+Why that slot: one KV slot sits at one position of one radix path, so a hit on it proves that
+every token the unit's cut depended on is the same (a unit keyed by its own last token could
+have been cut differently by a request whose later tokens differed). And SGLang frees KV slots
+from the tail of a path (eviction takes leaves; a node split only relabels), so when any slot of
+the unit is freed, the key slot (at or after them) is freed too, which drops the key.
+Summaries are reference counted: the key slot holds one reference and every request whose chain
+uses the unit holds one, so a request keeps its units even if a duplicate of its KV is freed
+under it (the radix cache deduplicates on insert).
 """
 
 from __future__ import annotations
@@ -67,49 +71,40 @@ class UnitStore:
         return self.live_units * per_unit
 
     # ------------------------------------------------------------------ units
-    def add_or_reuse(self, start: int, end: int, last_slot: int) -> tuple[int, bool]:
-        """The unit ``[start, end)`` whose last token sits in ``last_slot``; one reference for the caller.
+    def add_or_reuse(self, start: int, end: int, key_slot: int) -> tuple[int, bool]:
+        """The unit ``[start, end)`` keyed by ``key_slot``; one reference for the caller.
 
         Returns (unit id, True if its summary must still be computed).
         """
-        uid = int(self.slot_unit[last_slot])
+        uid = int(self.slot_unit[key_slot])
         if uid >= 0 and int(self.unit_start[uid]) == start and int(self.unit_end[uid]) == end:
             self.refs[uid] += 1
             self.stats["units_reused"] += 1
             return uid, False
-        if uid >= 0:  # a different unit ends here (other chunking settings): the slot changes hands
+        if uid >= 0:  # another method's or setting's unit: the slot changes hands
             self.release([uid])
         uid = self._alloc()
         self.unit_start[uid], self.unit_end[uid] = start, end
         self.refs[uid] = 2  # the slot's reference and the caller's
-        self.slot_unit[last_slot] = uid
+        self.slot_unit[key_slot] = uid
         self.stats["units_built"] += 1
         return uid, True
 
     def chain(self, slots: torch.Tensor, lookahead: int) -> list[int]:
-        """Units reusable for a request whose first ``len(slots)`` tokens sit in ``slots``.
+        """Units reusable by a request whose first ``len(slots)`` tokens sit in ``slots``.
 
-        Follows the unit chain from position 0 and stops at the first gap or at the first unit
-        whose cut could depend on tokens past the prefix (start + lookahead > prefix length).
-        Takes one reference per returned unit.
+        Walks the unit chain from position 0: the unit starting at ``pos`` is keyed at
+        ``slots[pos + lookahead - 1]``. Takes one reference per returned unit.
         """
-        n = len(slots)
-        if n == 0:
-            return []
-        ids = self.slot_unit[slots]
-        ends = torch.nonzero(ids >= 0).flatten()
         found: list[int] = []
-        pos = 0
-        for e, uid in zip(ends.tolist(), ids[ends].tolist()):
-            start = int(self.unit_start[uid])
-            if start > pos:
-                break
-            if start < pos or int(self.unit_end[uid]) != e + 1:
-                continue  # a unit of another chain ends here; ours may end further on
-            if start + lookahead > n:
+        pos, n = 0, len(slots)
+        keyed = self.slot_unit[slots].tolist() if n else []
+        while pos + lookahead <= n:
+            uid = keyed[pos + lookahead - 1]
+            if uid < 0 or int(self.unit_start[uid]) != pos:
                 break
             found.append(uid)
-            pos = e + 1
+            pos = int(self.unit_end[uid])
         if found:
             self.refs[torch.tensor(found, device=self.device)] += 1
             self.stats["units_reused"] += len(found)
@@ -136,7 +131,7 @@ class UnitStore:
         self.free_slots(torch.nonzero(self.slot_unit >= 0).flatten())
 
     def snapshot(self) -> dict[tuple[int, int, int], torch.Tensor]:
-        """{(last slot, start, end): summary} of every keyed unit; for tests that compare with a rebuild."""
+        """{(key slot, start, end): summary} of every keyed unit; for tests that compare with a rebuild."""
         out = {}
         for slot in torch.nonzero(self.slot_unit >= 0).flatten().tolist():
             uid = int(self.slot_unit[slot])

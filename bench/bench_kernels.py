@@ -1,0 +1,189 @@
+"""Kernel microbenchmarks on the GPU (Llama-3.1-8B attention shape: 32 q / 8 kv heads, d 128, bf16).
+
+    python -m bench.bench_kernels --out bench/results/kernels_h100.json
+
+Per decode layer at context 8K-126K and batch 1/8/32:
+  - dense decode baselines measured here: SGLang's Triton decode kernel and FlashInfer's paged decode;
+  - sparse decode attention (kernels/sparse_decode.py) at budget 1024 and 2048;
+  - lychee selection cost: bounds over coarse units and all fine clusters (kernels/bounds.py) plus the
+    torch sort / prefix-sum that picks clusters, i.e. the whole per-layer retrieval;
+  - index build (kernels/pool.py + spherical k-means) for one layer vs. one prefill layer of the same
+    model measured in the same run (causal SDPA + the layer's matmuls at that context).
+Prints ratios against the dense baselines of the same run; every number is a median of do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import triton
+
+from sgl_sparsekv.index import build_index
+from sgl_sparsekv.kernels.bounds import node_bounds
+from sgl_sparsekv.kernels.pool import pool_units
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
+
+HQ, H, D = 32, 8, 128
+HIDDEN, FFN = 4096, 14336
+
+
+def bench(fn) -> float:
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def splits_for(bs: int, n: int) -> int:
+    return max(1, min(32, math.ceil(2 * 132 / (bs * H)), math.ceil(n / 64)))
+
+
+def dense_triton(q, k, v, indptr, indices):
+    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+
+    bs = q.shape[0]
+    splits = 16
+    logits = torch.empty(bs, HQ, splits, D, dtype=torch.float32, device="cuda")
+    lse = torch.empty(bs, HQ, splits, dtype=torch.float32, device="cuda")
+    nsplit = torch.full((bs,), splits, dtype=torch.int32, device="cuda")
+    o = torch.empty_like(q)
+    return lambda: decode_attention_fwd(q, k, v, o, indptr, indices, logits, lse, nsplit, splits, D ** -0.5, 1.0, 1.0)
+
+
+def dense_flashinfer(q, k, v, indptr, indices):
+    import flashinfer
+
+    bs = q.shape[0]
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, torch.ones(bs, dtype=torch.int32, device="cuda"), HQ, H, D, 1,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    kc, vc = k.view(-1, 1, H, D), v.view(-1, 1, H, D)
+    return lambda: w.run(q, (kc, vc))
+
+
+def selection_cost(bs, ctx, budget):
+    """Bounds for coarse units and every fine cluster, then the cluster pick (sort + prefix sum)."""
+    L = ctx // 24
+    P = min(64, math.ceil(math.sqrt(L)))
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+    mu_c = torch.nn.functional.normalize(torch.randn(bs, H, P, D, device="cuda"), dim=-1)
+    mu_f = torch.nn.functional.normalize(torch.randn(bs, H, L, D, device="cuda"), dim=-1)
+    r_c, r_f = torch.rand(bs, H, P, device="cuda"), torch.rand(bs, H, L, device="cuda")
+    n_c = torch.full((bs,), P, dtype=torch.int32, device="cuda")
+    n_f = torch.full((bs,), L, dtype=torch.int32, device="cuda")
+    tokens = torch.randint(16, 33, (bs, H, L), device="cuda").float()
+
+    def run():
+        node_bounds(q, mu_c, r_c, n_c)
+        ub = node_bounds(q, mu_f, r_f, n_f)
+        order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
+        take = torch.cumsum(tokens.gather(2, order), -1) <= budget
+        return torch.zeros_like(take).scatter_(2, order, take)
+
+    return bench(run), L, P
+
+
+def prefill_layer_ms(ctx):
+    x = torch.randn(ctx, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w_qkv = torch.randn(HIDDEN, (HQ + 2 * H) * D, device="cuda", dtype=torch.bfloat16)
+    w_o = torch.randn(HQ * D, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    w_up = torch.randn(HIDDEN, 2 * FFN, device="cuda", dtype=torch.bfloat16)
+    w_down = torch.randn(FFN, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, HQ, ctx, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, H, ctx, D, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        x @ w_qkv
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        x @ w_o
+        h = x @ w_up
+        h[:, :FFN] @ w_down
+
+    return bench(run)
+
+
+def index_build_ms(ctx):
+    units = ctx // 12
+    k = torch.randn(ctx + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.randint(8, 17, (units,), device="cuda")
+    lens = (lens * ctx // int(lens.sum())).clamp_min(1)
+    indptr = torch.zeros(units + 1, dtype=torch.int32, device="cuda")
+    indptr[1:] = torch.cumsum(lens, 0)
+    slots = torch.arange(1, int(indptr[-1]) + 1, dtype=torch.int32, device="cuda")
+
+    def run():
+        keys = pool_units(k, slots, indptr, False)                  # [U, H, D]
+        build_index(keys.transpose(0, 1), lens, 2.0, 64, 10)
+
+    return bench(run)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 65536, 129024])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--skip-flashinfer", action="store_true")
+    a = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "dtype": "bf16"}, "decode": [], "selection": [],
+           "index_build": []}
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+    torch.manual_seed(0)
+    for ctx in a.contexts:
+        bmax = max(a.batches)
+        k = torch.randn(bmax * ctx + 1, H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for bs in a.batches:
+            q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+            indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * ctx
+            indices = torch.arange(1, bs * ctx + 1, dtype=torch.int32, device="cuda")
+            row = {"ctx": ctx, "bs": bs}
+            row["dense_triton_ms"] = bench(dense_triton(q, k, v, indptr, indices))
+            if not a.skip_flashinfer:
+                try:
+                    t = time.time()
+                    row["dense_flashinfer_ms"] = bench(dense_flashinfer(q, k, v, indptr, indices))
+                    row["flashinfer_first_call_s"] = round(time.time() - t, 1)
+                except Exception as e:  # JIT unavailable: keep the Triton baseline
+                    row["flashinfer_error"] = repr(e)[:200]
+            for budget in a.budgets:
+                n = min(budget, ctx)
+                lists = torch.sort(torch.rand(bs * H, ctx, device="cuda").topk(n, dim=1).indices, dim=1).values
+                base = (torch.arange(bs, device="cuda").repeat_interleave(H) * ctx + 1)[:, None]
+                sp_idx = (lists + base).flatten().to(torch.int32)
+                sp_ptr = torch.arange(bs * H + 1, dtype=torch.int32, device="cuda") * n
+                splits = splits_for(bs, n)
+                ws = workspace_for(bs, H, HQ // H, D, splits, "cuda")
+                out = torch.empty_like(q)
+                row[f"sparse_{budget}_ms"] = bench(lambda: sparse_decode_attention(
+                    q, k, v, sp_ptr, sp_idx, D ** -0.5, out=out, num_splits=splits, workspace=ws))
+                base_ms = row.get("dense_flashinfer_ms", row["dense_triton_ms"])
+                row[f"speedup_{budget}_vs_dense"] = round(base_ms / row[f"sparse_{budget}_ms"], 2)
+            res["decode"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+        del k, v
+        torch.cuda.empty_cache()
+        for bs in (1, 8):
+            ms, L, P = selection_cost(bs, ctx, 1024)
+            res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "ms": ms})
+            print(json.dumps(res["selection"][-1]), flush=True)
+        build = index_build_ms(ctx)
+        prefill = prefill_layer_ms(ctx)
+        res["index_build"].append({"ctx": ctx, "build_ms_per_layer": build, "prefill_ms_per_layer": prefill,
+                                   "build_share_of_prefill": round(build / (build + prefill), 3)})
+        print(json.dumps(res["index_build"][-1]), flush=True)
+        save()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

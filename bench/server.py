@@ -1,0 +1,101 @@
+"""Start and stop a real SGLang server (CPU or GPU) for tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--grammar-backend", "none"]
+
+
+def free_port() -> int:
+    """A free port well below 65535: SGLang derives further ports (gRPC, ZMQ) by adding offsets."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 40000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+
+
+class Server:
+    """``with Server(model, method, config) as srv: srv.complete(prompt)``; logs go to ``log_path``."""
+
+    def __init__(self, model_path: str, method: str = "off", config: dict | None = None, extra=(),
+                 cpu: bool = True, log_path: str | None = None, timeout: float = 600):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                     "--port", str(self.port), "--enable-cache-report", "--sparse-kv", method]
+        if config:
+            self.args += ["--sparse-kv-config", json.dumps(config)]
+        if cpu:
+            self.args += CPU_ARGS
+        self.args += list(extra)
+        self.env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1") if cpu else dict(os.environ)
+        self.env.pop("TRITON_INTERPRET", None)  # set by the CPU test session for kernel tests only
+        self.log_path = log_path or f"/tmp/sglang-{method}-{self.port}.log"
+        self.timeout = timeout
+        self.proc = None
+
+    def __enter__(self):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.time() + self.timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.__exit__()
+        raise TimeoutError(f"server not ready after {self.timeout}s; log:\n{self.tail()}")
+
+    def __exit__(self, *exc):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+    def tail(self, n: int = 60) -> str:
+        with open(self.log_path) as f:
+            return "".join(f.readlines()[-n:])
+
+    # ---------------------------------------------------------------- requests
+    def complete(self, prompt: str, max_tokens: int = 8) -> dict:
+        r = requests.post(self.url + "/v1/completions", timeout=900, json=dict(
+            model="default", prompt=prompt, max_tokens=max_tokens, temperature=0))
+        r.raise_for_status()
+        return r.json()
+
+    def generate_ids(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
+        r = requests.post(self.url + "/generate", timeout=900, json=dict(
+            input_ids=input_ids, sampling_params=dict(max_new_tokens=max_new_tokens, temperature=0,
+                                                      ignore_eos=ignore_eos)))
+        r.raise_for_status()
+        return r.json()
+
+    def internal_state(self) -> dict:
+        return requests.get(self.url + "/server_info", timeout=60).json()["internal_states"][0]
+
+    def stats(self) -> dict:
+        return self.internal_state().get("sparse_kv_stats", {})

@@ -1,0 +1,74 @@
+"""Unit summaries after prefill: variable-length mean-pool + L2 norm (lychee) or min/max (quest).
+
+    k_buffer [slots, H, d]      SGLang's per-layer key buffer
+    token_slots [T] int32       KV slots of all units' tokens, unit after unit
+    indptr [U + 1] int32        unit u owns token_slots[indptr[u] : indptr[u + 1]]
+-> mean mode: out [U, H, d] fp32 unit vectors; minmax mode: out [U, H, 2, d] fp32 (min, max)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pool_kernel(K, Slots, Indptr, Out, stride_kn, stride_kh, H: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, MINMAX: tl.constexpr):
+    u = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(Indptr + u)
+    end = tl.load(Indptr + u + 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    lo = tl.full([BLOCK_D], float("inf"), tl.float32)
+    hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    for blk in range(start, end, BLOCK_T):
+        offs_t = blk + tl.arange(0, BLOCK_T)
+        valid = offs_t < end
+        slot = tl.load(Slots + offs_t, mask=valid, other=0).to(tl.int64)
+        m2 = valid[:, None] & dmask[None, :]
+        k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        if MINMAX:
+            lo = tl.minimum(lo, tl.min(tl.where(m2, k, float("inf")), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(m2, k, float("-inf")), 0))
+        else:
+            acc += tl.sum(k, 0)
+    if MINMAX:
+        base = ((u * H + h) * 2) * D
+        tl.store(Out + base + offs_d, lo, mask=dmask)
+        tl.store(Out + base + D + offs_d, hi, mask=dmask)
+    else:
+        mean = acc / tl.maximum(end - start, 1).to(tl.float32)
+        norm = tl.sqrt(tl.sum(mean * mean, 0))
+        tl.store(Out + (u * H + h) * D + offs_d, mean / tl.maximum(norm, 1e-12), mask=dmask)
+
+
+def pool_units(k_buffer: torch.Tensor, token_slots: torch.Tensor, indptr: torch.Tensor, minmax: bool) -> torch.Tensor:
+    U = indptr.numel() - 1
+    _, H, D = k_buffer.shape
+    shape = (U, H, 2, D) if minmax else (U, H, D)
+    out = torch.empty(shape, dtype=torch.float32, device=k_buffer.device)
+    if U == 0:
+        return out
+    _pool_kernel[(U, H)](k_buffer, token_slots, indptr, out, k_buffer.stride(0), k_buffer.stride(1), H=H, D=D,
+                         BLOCK_D=triton.next_power_of_2(D), BLOCK_T=16, MINMAX=minmax)
+    return out
+
+
+def pool_units_ref(k_buffer, token_slots, indptr, minmax: bool) -> torch.Tensor:
+    """Torch twin (the reference path in SparseKVManager.pool_layer computes the same)."""
+    counts = (indptr[1:] - indptr[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=k_buffer.device), counts)
+    keys = k_buffer[token_slots.long()].float()
+    U, (H, D) = len(counts), keys.shape[1:]
+    if minmax:
+        idx = seg[:, None, None].expand_as(keys)
+        lo = torch.full((U, H, D), float("inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amin")
+        hi = torch.full((U, H, D), float("-inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amax")
+        return torch.stack([lo, hi], dim=2)
+    mean = torch.zeros(U, H, D, device=keys.device).index_add_(0, seg, keys) / counts.clamp_min(1)[:, None, None]
+    return F.normalize(mean, dim=-1)

@@ -1,0 +1,150 @@
+"""Sparse decode attention over per-(request, KV head) slot lists in CSR form.
+
+One program serves a whole GQA group (every selected K/V row is read once for the group's query
+heads) over one split of its list (flash-decoding); a second kernel merges the splits by
+log-sum-exp. bf16/fp16 in, fp32 accumulation. Lists may differ per KV head, so hybrid heads
+(dense retrieval heads beside sparse ones) are just longer lists.
+
+    indptr  [bs * H + 1] int32   list of (request b, KV head h) is indices[indptr[b*H+h] : indptr[b*H+h+1]]
+    indices [capacity]   int32   KV slots (rows of SGLang's per-layer K/V buffers)
+
+Capacities are fixed by the caller (budget x bs x H), so the launch has static shapes and can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, Indptr, Indices, OPart, LsePart, sm_scale,
+                    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+                    H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+    pid = tl.program_id(0)            # b * H + h
+    split = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    start = tl.load(Indptr + pid)
+    end = tl.load(Indptr + pid + 1)
+    per = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per
+    hi = tl.minimum(end, lo + per)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for blk in range(lo, hi, BLOCK_N):
+        offs_n = blk + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        slot = tl.load(Indices + offs_n, mask=valid, other=0).to(tl.int64)
+        k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vn + h * stride_vh + offs_d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    base = (pid * SPLITS + split) * BLOCK_G
+    tl.store(OPart + (base + offs_g)[:, None] * BLOCK_D + offs_d[None, :], out)
+    tl.store(LsePart + base + offs_g, lse)
+
+
+@triton.jit
+def _merge_kernel(OPart, LsePart, O, stride_ob, stride_oh,
+                  H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m = tl.maximum(m, tl.load(LsePart + (pid * SPLITS + s) * BLOCK_G + offs_g))
+    safe_m = tl.where(m == float("-inf"), 0.0, m)
+    den = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s in range(SPLITS):
+        base = (pid * SPLITS + s) * BLOCK_G
+        w = tl.exp(tl.load(LsePart + base + offs_g) - safe_m)
+        den += w
+        acc += w[:, None] * tl.load(OPart + (base + offs_g)[:, None] * BLOCK_D + offs_d[None, :])
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]
+    mask = (offs_g < G)[:, None] & (offs_d < D)[None, :]
+    tl.store(O + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mask)
+
+
+def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                            indptr: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                            out: torch.Tensor | None = None, num_splits: int = 8, block_n: int = 32,
+                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [bs, Hq, d]; k/v_buffer [slots, H, d]; indptr [bs*H+1]; indices [cap] -> out [bs, Hq, d].
+
+    ``workspace`` (partial outputs and log-sum-exps, see :func:`workspace_for`) can be preallocated
+    once for CUDA graphs.
+    """
+    bs, Hq, D = q.shape
+    H = k_buffer.shape[1]
+    G = Hq // H
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    BLOCK_D = triton.next_power_of_2(D)
+    if out is None:
+        out = torch.empty_like(q)
+    if workspace is None:
+        workspace = workspace_for(bs, H, G, D, num_splits, q.device)
+    opart, lse = workspace
+    _partial_kernel[(bs * H, num_splits)](
+        q, k_buffer, v_buffer, indptr, indices, opart, lse, sm_scale,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits)
+    _merge_kernel[(bs * H,)](opart, lse, out, out.stride(0), out.stride(1),
+                             H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, SPLITS=num_splits)
+    return out
+
+
+def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    BLOCK_G = max(16, triton.next_power_of_2(G))
+    BLOCK_D = triton.next_power_of_2(D)
+    return (torch.empty(bs * H * num_splits * BLOCK_G * BLOCK_D, dtype=torch.float32, device=device),
+            torch.empty(bs * H * num_splits * BLOCK_G, dtype=torch.float32, device=device))
+
+
+def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale):
+    """Torch twin: plain softmax attention per (request, KV head) over its slot list, in fp32."""
+    bs, Hq, D = q.shape
+    H = k_buffer.shape[1]
+    G = Hq // H
+    out = torch.zeros(bs, Hq, D, dtype=torch.float32, device=q.device)
+    ptr = indptr.tolist()
+    for b in range(bs):
+        for h in range(H):
+            slots = indices[ptr[b * H + h]:ptr[b * H + h + 1]].long()
+            if len(slots) == 0:
+                continue
+            qh = q[b, h * G:(h + 1) * G].float()
+            k = k_buffer[slots, h].float()
+            v = v_buffer[slots, h].float()
+            p = torch.softmax(qh @ k.T * sm_scale, dim=-1)
+            out[b, h * G:(h + 1) * G] = p @ v
+    return out.to(q.dtype)

@@ -1,0 +1,166 @@
+"""Flags and config validation: every bad input fails at startup with its own one-line error."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sgl_sparsekv.config import ConfigError, SparseKVConfig
+from sgl_sparsekv.patches.checks import check_model, check_server_args
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_defaults_follow_the_paper():
+    c = SparseKVConfig.from_method("lychee")
+    assert (c.token_budget, c.chunk_min, c.chunk_max, c.fine_cluster_size, c.max_coarse, c.kmeans_iters,
+            c.sink_tokens, c.dense_layers) == (1024, 8, 16, 2.0, 64, 10, 16, 2)
+    assert SparseKVConfig.from_method("quest").page_size == 16
+
+
+def test_shipped_configs_load():
+    for method in ("lychee", "quest"):
+        path = ROOT / "configs" / f"{method}.json"
+        c = SparseKVConfig.from_method(method, str(path))
+        assert c.to_dict() == {**json.loads(path.read_text()), "method": method} | c.to_dict()
+        assert c.method == method
+
+
+@pytest.mark.parametrize("method,overrides,needle", [
+    ("lychee", {"chunk_min": 20}, "chunk_min (20) > chunk_max (16)"),
+    ("lychee", {"bogus": 1}, "unknown key 'bogus'"),
+    ("lychee", {"token_budget": "1024"}, "key 'token_budget' must be int"),
+    ("lychee", {"token_budget": True}, "key 'token_budget' must be int"),
+    ("lychee", {"token_budget": 64}, "token_budget (64) must be >= sink_tokens + recent_window"),
+    ("lychee", {"token_budget": 0}, "key 'token_budget' must be > 0"),
+    ("lychee", {"sink_tokens": -1}, "key 'sink_tokens' must be >= 0"),
+    ("lychee", {"recent_window": 8}, "recent_window (8) must be >="),
+    ("lychee", {"chunking": "words"}, "key 'chunking' must be 'structure' or 'fixed'"),
+    ("lychee", {"gqa_reduce": "sum"}, "key 'gqa_reduce' must be 'max' or 'mean'"),
+    ("lychee", {"coarse_expand": 0.5}, "key 'coarse_expand' must be >= 1"),
+    ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
+    ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),
+    ("quest", {"method": "lychee"}, "key 'method' is 'lychee' but --sparse-kv is 'quest'"),
+    ("off", {"token_budget": 512}, "--sparse-kv-config was given but --sparse-kv is off"),
+    ("dense", None, "unknown method 'dense'"),
+])
+def test_bad_config_names_the_key(method, overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        SparseKVConfig.from_method(method, overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_config_sources(tmp_path):
+    p = tmp_path / "c.json"
+    p.write_text('{"token_budget": 512}')
+    assert SparseKVConfig.from_method("lychee", str(p)).token_budget == 512
+    assert SparseKVConfig.from_method("lychee", '{"token_budget": 256}').token_budget == 256
+    with pytest.raises(ConfigError, match="neither a JSON object nor an existing file"):
+        SparseKVConfig.from_method("lychee", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        SparseKVConfig.from_method("lychee", '{"token_budget": }')
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a JSON object"):
+        SparseKVConfig.from_method("lychee", str(p))
+
+
+def _sa(**kw):
+    base = dict(model_path="/nonexistent", speculative_algorithm=None, enable_mixed_chunk=False,
+                attention_backend="torch_native", tp_size=1, pp_size=1, dp_size=1)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm"),
+    (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+    (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
+    (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
+    (dict(disaggregation_mode="prefill"), "--disaggregation-mode"),
+    (dict(tp_size=2), "--tp-size > 1"),
+    (dict(enable_dp_attention=True), "--enable-dp-attention"),
+    (dict(attention_backend="fa3"), "--attention-backend fa3 is not supported"),
+    (dict(decode_attention_backend="trtllm_mha"), "--decode-attention-backend trtllm_mha"),
+    (dict(is_embedding=True), "--is-embedding"),
+])
+def test_unsupported_server_flags(kw, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        check_server_args(_sa(**kw), SparseKVConfig.from_method("lychee"))
+    assert needle in str(e.value)
+
+
+def test_disable_radix_cache_is_fine():
+    check_server_args(_sa(disable_radix_cache=True), SparseKVConfig.from_method("lychee"))
+
+
+@pytest.mark.parametrize("hf,needle", [
+    (dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=512), "MLA"),
+    (dict(architectures=["MistralForCausalLM"], sliding_window=4096), "sliding-window"),
+    (dict(architectures=["Gemma3ForCausalLM"], layer_types=["sliding_attention", "full_attention"]), "sliding-window"),
+    (dict(architectures=["JambaForCausalLM"]), "hybrid Mamba"),
+    (dict(architectures=["NemotronHForCausalLM"], hybrid_override_pattern="M-M*"), "hybrid Mamba"),
+    (dict(architectures=["T5ForConditionalGeneration"], is_encoder_decoder=True), "encoder-decoder"),
+    (dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2), "dense_layers (2) must be <"),
+])
+def test_unsupported_models(hf, needle):
+    with pytest.raises(ConfigError) as e:
+        check_model(SimpleNamespace(**hf), SparseKVConfig.from_method("lychee"))
+    assert needle in str(e.value)
+
+
+def test_supported_models_pass():
+    cfg = SparseKVConfig.from_method("lychee")
+    check_model(SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=32), cfg)
+    check_model(SimpleNamespace(architectures=["Qwen2ForCausalLM"], sliding_window=32768, use_sliding_window=False,
+                                num_hidden_layers=28), cfg)
+
+
+def _launch(*args):
+    """Run SGLang's real CLI parsing (plugins loaded as in launch_server) without starting a server."""
+    code = ("import sys; from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "from sglang.srt.server_args import prepare_server_args; "
+            "sa = prepare_server_args(sys.argv[1:]); print('PARSED', sa.sparse_kv, sa.sparse_kv_config)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_flags_parse_and_fail_fast(smollm2_dir):
+    base = ["--model-path", smollm2_dir, "--device", "cpu", "--grammar-backend", "none"]
+    ok = _launch(*base, "--sparse-kv", "lychee", "--sparse-kv-config", '{"token_budget": 256}')
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "PARSED lychee {" in ok.stdout and "'token_budget': 256" in ok.stdout
+    off = _launch(*base)
+    assert "PARSED off {'method': 'off'" in off.stdout
+    for extra, needle in [
+        (["--sparse-kv", "lychee", "--sparse-kv-config", '{"chunk_max": 4}'], "chunk_min (8) > chunk_max (4)"),
+        (["--sparse-kv", "quest", "--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
+        (["--sparse-kv", "sparse"], "invalid choice: 'sparse'"),
+    ]:
+        bad = _launch(*base, *extra)
+        assert bad.returncode != 0
+        last = bad.stderr.strip().splitlines()[-1]
+        assert needle in last, bad.stderr[-2000:]
+        assert "Traceback" not in bad.stderr
+
+
+def test_help_lists_the_flags():
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "--sparse-kv {off,lychee,quest}" in out and "--sparse-kv-config FILE_OR_JSON" in out
+
+
+def test_engine_kwargs(smollm2_dir):
+    """The Python path: ServerArgs (what sglang.Engine builds from its kwargs) takes the same two keys."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="quest", sparse_kv_config={"token_budget": 512})
+    assert sa.sparse_kv == "quest" and sa.sparse_kv_config["token_budget"] == 512
+    assert sa.attention_backend == "torch_native"
+    with pytest.raises(ConfigError, match="unknown key 'budget'"):
+        ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="quest", sparse_kv_config={"budget": 512})
+    assert ServerArgs(model_path=smollm2_dir, device="cpu").sparse_kv == "off"

@@ -1,0 +1,143 @@
+"""Cluster index and selection against brute force."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_sparsekv.index import build_index, cluster_counts, graft, upper_bound
+from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
+                                 units_to_token_mask)
+
+
+def _keys(kind, H, M, d, gen):
+    if kind == "random":
+        x = torch.randn(H, M, d, generator=gen)
+    else:  # a few tight topics plus noise, like real chunk keys
+        centers = torch.randn(H, 6, d, generator=gen) * 3
+        pick = torch.randint(0, 6, (H, M), generator=gen)
+        x = centers.gather(1, pick[..., None].expand(-1, -1, d)) + torch.randn(H, M, d, generator=gen) * 0.5
+    return F.normalize(x, dim=-1)
+
+
+def _check_bounds(index, keys, q, reduce="max"):
+    """UB of every node >= the true max q.k over every chunk below it (per query head, so any reduce)."""
+    H, M, d = keys.shape
+    true = torch.einsum("hgd,hmd->hgm", q, keys)            # [H, G, M]
+    for level, mu, r, owner in (
+        ("fine", index.fine_mu, index.fine_r, index.chunk_fine),
+        ("coarse", index.coarse_mu, index.coarse_r, index.fine_parent.gather(1, index.chunk_fine)),
+    ):
+        ub = torch.einsum("hgd,hnd->hgn", q, mu) + q.norm(dim=-1)[..., None] * r[:, None]
+        ub_of_chunk = ub.gather(2, owner[:, None, :].expand(-1, q.shape[1], -1))
+        assert bool((ub_of_chunk >= true - 1e-4).all()), f"{level} bound violated"
+
+
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+@pytest.mark.parametrize("H,M,d,G", [(1, 1, 64, 1), (3, 37, 64, 3), (2, 300, 128, 4), (4, 1000, 64, 7)])
+def test_bounds_after_build_and_grafts(kind, H, M, d, G):
+    gen = torch.Generator().manual_seed(H * 1000 + M)
+    keys = _keys(kind, H, M, d, gen)
+    lens = torch.randint(8, 17, (M,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    L, P = cluster_counts(M, 2.0, 64)
+    assert index.fine_mu.shape == (H, L, d) and index.coarse_mu.shape == (H, P, d)
+    for _ in range(5):
+        _check_bounds(index, keys, torch.randn(H, G, d, generator=gen) * 3)
+    # many lazy updates: new chunks drift away from the build's distribution
+    for i in range(200):
+        new = F.normalize(_keys(kind, H, 1, d, gen)[:, 0] + 0.01 * i * torch.randn(H, d, generator=gen), dim=-1)
+        graft(index, new, 12)
+        keys = torch.cat([keys, new[:, None]], dim=1)
+    assert index.num_chunks == M + 200
+    assert torch.equal(index.fine_n.sum(1), torch.full((H,), float(M + 200)))
+    for _ in range(5):
+        _check_bounds(index, keys, torch.randn(H, G, d, generator=gen) * 3)
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_full_budget_selects_everything(reduce):
+    gen = torch.Generator().manual_seed(0)
+    keys = _keys("clustered", 3, 250, 64, gen)
+    lens = torch.randint(8, 17, (250,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    sel = select_chunks(index, torch.randn(3, 3, 64, generator=gen), int(lens.sum()), 4.0, reduce)
+    assert bool(sel.all())
+
+
+def _flat_reference(index, q, budget, reduce):
+    """Rank every fine cluster by its bound, take the prefix that fits: what pruning must not change."""
+    ub = upper_bound(q, index.fine_mu, index.fine_r, reduce).masked_fill(index.fine_n == 0, float("-inf"))
+    order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
+    take = torch.cumsum(index.fine_tokens.gather(1, order), -1) <= budget
+    return torch.zeros_like(take).scatter_(1, order, take)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_coarse_pruning_is_exact_when_expanded_enough(seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = _keys("clustered", 2, 400, 64, gen)
+    lens = torch.randint(8, 17, (400,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    q = torch.randn(2, 4, 64, generator=gen) * 2
+    for budget in (64, 256, 1000):
+        got = select_clusters(index, q, budget, coarse_expand=1e9, reduce="max")
+        assert torch.equal(got, _flat_reference(index, q, budget, "max"))
+        pruned = select_clusters(index, q, budget, coarse_expand=4.0, reduce="max")
+        assert int((index.fine_tokens * pruned).sum(1).max()) <= budget
+
+
+def test_budget_respected_and_tie_break_stable():
+    gen = torch.Generator().manual_seed(3)
+    keys = _keys("random", 2, 120, 64, gen)
+    lens = torch.full((120,), 10)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    q = torch.randn(2, 2, 64, generator=gen)
+    a = select_clusters(index, q, 300, 4.0, "max")
+    b = select_clusters(index, q, 300, 4.0, "max")
+    assert torch.equal(a, b)
+    assert int((index.fine_tokens * a).sum(1).max()) <= 300
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_planted_needle_is_recalled(reduce):
+    """A chunk aligned with the query among many distractors: its tokens are selected at a small budget."""
+    gen = torch.Generator().manual_seed(7)
+    H, M, d, G = 3, 800, 64, 3
+    keys = _keys("clustered", H, M, d, gen)
+    q = torch.randn(H, G, d, generator=gen)
+    needles = [123, 456, 789]
+    for n in needles:
+        keys[:, n] = F.normalize(q.mean(1) + 0.05 * torch.randn(H, d, generator=gen), dim=-1)
+    lens = torch.randint(8, 17, (M,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    sel = select_chunks(index, q * 4, 256, 4.0, reduce)
+    assert bool(sel[:, needles].all())
+
+
+def test_quest_matches_brute_force():
+    gen = torch.Generator().manual_seed(1)
+    H, N, d, G = 2, 50, 64, 4
+    k = torch.randn(H, N, 16, d, generator=gen)
+    kmin, kmax = k.amin(2), k.amax(2)
+    q = torch.randn(H, G, d, generator=gen)
+    s = quest_scores(q, kmin, kmax, "max")
+    # the Quest score bounds every token's q.k in the page, per query head
+    assert bool((s[:, :, None] >= torch.einsum("hgd,hnpd->hgnp", q, k).amax(1) - 1e-4).all())
+    brute = torch.zeros(H, N)
+    for h in range(H):
+        for n in range(N):
+            per_head = [sum(max(float(q[h, g, i] * kmin[h, n, i]), float(q[h, g, i] * kmax[h, n, i])) for i in range(d))
+                        for g in range(G)]
+            brute[h, n] = max(per_head)
+    assert torch.allclose(s, brute, atol=1e-4)
+    sel = select_pages(q, kmin, kmax, 160, 16, "max")
+    assert sel.sum(1).tolist() == [10, 10]
+    assert torch.equal(sel, torch.zeros_like(sel).scatter_(1, s.topk(10, dim=1).indices, True))
+
+
+def test_token_mask():
+    sel = torch.tensor([[True, False, True], [False, False, False]])
+    starts, ends = torch.tensor([0, 10, 20]), torch.tensor([10, 20, 30])
+    m = units_to_token_mask(sel, starts, ends, 40, sink=4, recent=5)
+    assert m[0].nonzero().flatten().tolist() == list(range(10)) + list(range(20, 30)) + list(range(35, 40))
+    assert m[1].nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(35, 40))

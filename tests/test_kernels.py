@@ -1,0 +1,139 @@
+"""Every Triton kernel against its torch twin: small shapes on CPU (TRITON_INTERPRET=1), real shapes on GPU."""
+
+import pytest
+import torch
+
+from sgl_sparsekv.kernels.bounds import group_mean, node_bounds, node_bounds_ref
+from sgl_sparsekv.kernels.pool import pool_units, pool_units_ref
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter has no bf16 arithmetic of its own; fp16 exercises the same code on CPU
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+def make_lists(bs, H, num_slots, lens, gen):
+    lens = torch.as_tensor(lens).flatten()
+    indptr = torch.zeros(bs * H + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    # distinct slots per list, like a real selection
+    parts = [torch.randperm(num_slots - 1, generator=gen)[:int(n)] + 1 for n in lens]
+    indices = torch.cat(parts + [torch.zeros(7, dtype=torch.long)]).to(torch.int32)
+    return indptr.to(DEV), indices.to(DEV)
+
+
+def run_decode_case(bs, H, G, D, lens, num_slots, splits, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
+    k = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    v = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    indptr, indices = make_lists(bs, H, num_slots, lens, gen)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=splits)
+    ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5)
+    assert not torch.isnan(out).any(), "unwritten output"
+    assert rel_err(out, ref) < 1e-2, (bs, H, G, D, splits)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("G", [1, 3, 4, 7])
+def test_sparse_decode_small(D, G):
+    gen = torch.Generator().manual_seed(G)
+    bs, H = 2, 2
+    lens = torch.randint(1, 90, (bs, H), generator=gen)
+    lens[0, 1] = 200  # one head longer than the others (a dense retrieval head later)
+    run_decode_case(bs, H, G, D, lens, 400, splits=3, seed=D + G)
+
+
+def test_sparse_decode_empty_list_and_single_token():
+    run_decode_case(1, 2, 4, 64, [[0, 1]], 50, splits=4)
+
+
+def test_budget_larger_and_smaller_than_sequence():
+    """A list that covers the whole sequence is exactly dense attention over it."""
+    gen = torch.Generator().manual_seed(1)
+    seq, H, G, D = 100, 2, 3, 64
+    q = torch.randn(1, H * G, D, generator=gen).to(DEV, DTYPE)
+    k = torch.randn(seq + 1, H, D, generator=gen).to(DEV, DTYPE)
+    v = torch.randn(seq + 1, H, D, generator=gen).to(DEV, DTYPE)
+    slots = torch.arange(1, seq + 1, dtype=torch.int32)
+    for budget in (seq + 50, 40):
+        n = min(budget, seq)
+        indptr = torch.tensor([0, n, 2 * n], dtype=torch.int32, device=DEV)
+        indices = torch.cat([slots[:n], slots[seq - n:]]).to(DEV)
+        out = sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, num_splits=2)
+        ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5)
+        assert rel_err(out, ref) < 1e-2
+    dense = torch.softmax((q[0].float().view(H, G, D) @ k[1:].float().transpose(0, 1).transpose(1, 2)) * D ** -0.5, -1)
+    dense = (dense @ v[1:].float().transpose(0, 1)).reshape(H * G, D)
+    indptr = torch.tensor([0, seq, 2 * seq], dtype=torch.int32, device=DEV)
+    out = sparse_decode_attention(q, k, v, indptr, torch.cat([slots, slots]).to(DEV), D ** -0.5, num_splits=2)
+    assert rel_err(out[0], dense) < 1e-2
+
+
+@pytest.mark.parametrize("minmax", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+def test_pool_units(minmax, D):
+    gen = torch.Generator().manual_seed(D)
+    k = torch.randn(300, 3, D, generator=gen).to(DEV, DTYPE)
+    lens = torch.randint(1, 20, (25,), generator=gen)
+    indptr = torch.zeros(26, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    slots = torch.randint(1, 300, (int(indptr[-1]),), generator=gen, dtype=torch.int32)
+    out = pool_units(k, slots.to(DEV), indptr.to(DEV), minmax)
+    ref = pool_units_ref(k, slots.to(DEV), indptr.to(DEV), minmax)
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("G", [1, 3, 4, 7])
+@pytest.mark.parametrize("D", [64, 128])
+def test_node_bounds(G, D):
+    gen = torch.Generator().manual_seed(G * D)
+    bs, H, N = 3, 2, 70
+    q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
+    mu = torch.nn.functional.normalize(torch.randn(bs, H, N, D, generator=gen), dim=-1).to(DEV)
+    r = torch.rand(bs, H, N, generator=gen).to(DEV)
+    r[0, 0, 5] = float("-inf")  # an empty cluster
+    n_nodes = torch.tensor([70, 33, 1], dtype=torch.int32, device=DEV)  # variable node counts per request
+    ub = node_bounds(q, mu, r, n_nodes, block_n=32)
+    ref = node_bounds_ref(q, mu, r, n_nodes)
+    assert torch.equal(torch.isinf(ub), torch.isinf(ref))
+    fin = torch.isfinite(ref)
+    assert torch.allclose(ub[fin], ref[fin], atol=1e-2, rtol=1e-3)
+    # mean-query reduction is the same kernel on the averaged queries
+    qm = group_mean(q.float(), H)
+    assert torch.allclose(node_bounds(qm, mu, r, n_nodes)[fin], node_bounds_ref(qm, mu, r, n_nodes)[fin], atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [1, 8, 32])
+@pytest.mark.parametrize("G,D", [(4, 128), (7, 128), (3, 64)])
+def test_sparse_decode_real_shapes(bs, G, D):
+    H = 8 if G != 7 else 4
+    gen = torch.Generator().manual_seed(bs)
+    lens = torch.randint(900, 1025, (bs, H), generator=gen)
+    run_decode_case(bs, H, G, D, lens, 200_000, splits=8, seed=bs)
+
+
+@pytest.mark.gpu
+def test_pool_and_bounds_real_shapes():
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(140_000, 8, 128, generator=gen).to(DEV, DTYPE)
+    lens = torch.randint(8, 17, (10_000,), generator=gen)
+    indptr = torch.zeros(10_001, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    slots = torch.randperm(139_999, generator=gen)[:int(indptr[-1])].to(torch.int32) + 1
+    for minmax in (False, True):
+        out = pool_units(k, slots.to(DEV), indptr.to(DEV), minmax)
+        assert rel_err(out, pool_units_ref(k, slots.to(DEV), indptr.to(DEV), minmax)) < 1e-4
+    q = torch.randn(8, 32, 128, generator=gen).to(DEV, DTYPE)
+    mu = torch.nn.functional.normalize(torch.randn(8, 8, 5000, 128, generator=gen), dim=-1).to(DEV)
+    r = torch.rand(8, 8, 5000, generator=gen).to(DEV)
+    n = torch.randint(1000, 5001, (8,), generator=gen).to(torch.int32).to(DEV)
+    ub, ref = node_bounds(q, mu, r, n), node_bounds_ref(q, mu, r, n)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(ub)) and torch.allclose(ub[fin], ref[fin], atol=2e-2, rtol=1e-2)

@@ -1,0 +1,244 @@
+"""Unit state under SGLang's real radix cache: random inserts, splits, evictions, chunked prefills,
+decodes and aborts must leave exactly the state a from-scratch rebuild gives, with no stale or
+leaked entries, and concurrent requests sharing a prefix must keep their own decode chunks."""
+
+import random
+from array import array
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_sparsekv.chunking import BoundaryTable, Chunker
+from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.manager import SparseKVManager
+from sgl_sparsekv.patches.backend import watch_frees
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+VOCAB, LAYERS, H, D = 64, 4, 2, 16
+SLOTS = 3000
+
+
+def synthetic_table():
+    """Token t: strength t % 5 for a few ids, so chunk cuts depend on content like real text."""
+    strength = np.zeros(VOCAB, np.int8)
+    strength[[3, 7, 11]] = [4, 3, 2]
+    lead = np.zeros(VOCAB, bool)
+    lead[::5] = True
+    return BoundaryTable(strength, lead)
+
+
+class World:
+    """SGLang's ReqToTokenPool, token allocator and RadixCache, with a fake model writing keys."""
+
+    def __init__(self, method, seed):
+        self.rng = random.Random(seed)
+        cfg = SparseKVConfig.from_method(method, {"token_budget": 128, "dense_layers": 1, "recent_window": 32})
+        self.cfg = cfg
+        self.manager = SparseKVManager(cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table())
+        self.req_pool = ReqToTokenPool(size=8, max_context_len=1024, device="cpu", enable_memory_saver=False)
+        self.alloc = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", kvcache=None, need_sort=False)
+        self.radix = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
+                                                token_to_kv_pool_allocator=self.alloc, page_size=1))
+        watch_frees(self.manager, self.req_pool, self.alloc)
+        g = torch.Generator().manual_seed(seed)
+        self.tok_emb = torch.randn(LAYERS, VOCAB, H, D, generator=g)
+        self.pos_emb = torch.randn(LAYERS, 1024, H, D, generator=g) * 0.3
+        self.k = torch.zeros(LAYERS, SLOTS + 1, H, D)
+        self.docs = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(100, 300))] for _ in range(3)]
+        self.live = []
+
+    def write_kv(self, slots, tokens, positions):
+        for l in range(LAYERS):
+            self.k[l, slots] = self.tok_emb[l, tokens] + self.pos_emb[l, positions]
+
+    def take_slots(self, n):
+        slots = self.alloc.alloc(n)
+        if slots is None:
+            self.radix.evict(EvictParams(num_tokens=n - self.alloc.available_size()))
+            slots = self.alloc.alloc(n)
+        assert slots is not None
+        return slots
+
+    def forward_extend(self, req, start, end):
+        row = req.req_pool_idx
+        slots = self.take_slots(end - start)
+        self.req_pool.req_to_token[row, start:end] = slots.to(torch.int32)
+        toks = torch.tensor(req.tokens[start:end])
+        self.write_kv(slots, toks, torch.arange(start, end))
+        plan = self.manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, toks, slots)
+        for l in range(LAYERS):
+            self.manager.pool_layer(l, self.k[l], plan)
+
+    def forward_decode(self, req):
+        row, pos = req.req_pool_idx, len(req.tokens)
+        tok = self.rng.randrange(VOCAB)
+        req.tokens.append(tok)
+        slots = self.take_slots(1)
+        self.req_pool.req_to_token[row, pos] = int(slots[0])
+        self.write_kv(slots, torch.tensor([tok]), torch.tensor([pos]))
+        plan = self.manager.prepare_decode([row], [pos + 1], self.req_pool.req_to_token, torch.tensor([tok]), slots)
+        for l in range(LAYERS):
+            self.manager.pool_layer(l, self.k[l], plan)
+            if l >= self.cfg.dense_layers and pos + 1 > self.cfg.token_budget:
+                q = torch.randn(H, 2, D)
+                mask = self.manager.select(l, row, q)
+                assert mask.shape == (H, pos + 1) and bool(mask[:, -1].all())
+
+    def start(self):
+        doc = self.rng.choice(self.docs)
+        cut = self.rng.randrange(len(doc) // 2, len(doc) + 1)
+        tokens = doc[:cut] + [self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(0, 60))]
+        m = self.radix.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        prefix = min(len(m.device_indices), len(tokens) - 1)
+        req = SimpleNamespace(req_pool_idx=None, inflight_middle_chunks=0, kv_committed_len=0, tokens=tokens,
+                              protected=prefix, last_node=m.last_device_node)
+        self.radix.inc_lock_ref(req.last_node)
+        self.req_pool.alloc([req])
+        self.req_pool.req_to_token[req.req_pool_idx, :prefix] = m.device_indices[:prefix].to(torch.int32)
+        # chunked prefill in 1-3 pieces, caching the unfinished prefix like cache_unfinished_req
+        bounds = sorted({prefix, len(tokens), *[self.rng.randrange(prefix, len(tokens) + 1) for _ in range(2)]})
+        for a, b in zip(bounds, bounds[1:]):
+            self.forward_extend(req, a, b)
+            if b < len(tokens) and self.rng.random() < 0.5:
+                self.cache_unfinished(req, b)
+        self.live.append(req)
+
+    def cache_unfinished(self, req, n):
+        row = req.req_pool_idx
+        values = self.req_pool.req_to_token[row, :n].to(torch.int64).clone()
+        res = self.radix.insert(InsertParams(key=RadixKey(array("q", req.tokens[:n])), value=values))
+        self.alloc.free(values[req.protected:res.prefix_len])
+        m = self.radix.match_prefix(MatchPrefixParams(key=RadixKey(array("q", req.tokens[:n]))))
+        self.req_pool.req_to_token[row, :len(m.device_indices)] = m.device_indices.to(torch.int32)
+        self.radix.dec_lock_ref(req.last_node)
+        self.radix.inc_lock_ref(m.last_device_node)
+        req.last_node, req.protected = m.last_device_node, len(m.device_indices)
+
+    def finish(self, req, abort):
+        row, n = req.req_pool_idx, len(req.tokens)
+        kv = self.req_pool.req_to_token[row, :n].to(torch.int64).clone()
+        if abort:
+            self.alloc.free(kv[req.protected:])
+        else:
+            # the last token's KV does not exist yet in real decoding; its slot is freed as the tail
+            res = self.radix.insert(InsertParams(key=RadixKey(array("q", req.tokens[:n - 1])), value=kv[:n - 1]))
+            self.alloc.free(kv[req.protected:res.prefix_len])
+            self.alloc.free(kv[n - 1:])
+        self.radix.dec_lock_ref(req.last_node)
+        self.req_pool.free(req)
+        self.live.remove(req)
+
+    def step(self):
+        r = self.rng.random()
+        if r < 0.35 and len(self.live) < 4:
+            self.start()
+        elif r < 0.75 and self.live:
+            req = self.rng.choice(self.live)
+            for _ in range(self.rng.randrange(1, 40)):
+                self.forward_decode(req)
+        elif r < 0.9 and self.live:
+            self.finish(self.rng.choice(self.live), abort=self.rng.random() < 0.3)
+        else:
+            self.radix.evict(EvictParams(num_tokens=self.rng.randrange(1, 200)))
+        self.check_live_requests()
+
+    # ---------------------------------------------------------------- checks
+    def expected_summary(self, slots):
+        keys = self.k[self.cfg.dense_layers:, slots]           # [L, n, H, D]
+        if self.cfg.method == "lychee":
+            return F.normalize(keys.mean(1), dim=-1)[:, :, None]
+        return torch.stack([keys.amin(1), keys.amax(1)], dim=2)
+
+    def check_live_requests(self):
+        """Each live request's units are its own chain, with summaries of its own tokens."""
+        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+        store = self.manager.store
+        for req in self.live:
+            st = self.manager.states[req.req_pool_idx]
+            row = self.req_pool.req_to_token[req.req_pool_idx]
+            chunker = self.manager.chunker
+            n = st.seq_len
+            assert st.ends == Chunker.cuts(chunker, np.array(req.tokens[:n])).tolist()
+            for uid, s, e in zip(st.units, st.starts, st.ends):
+                assert (int(store.unit_start[uid]), int(store.unit_end[uid])) == (s, e)
+                assert int(store.refs[uid]) >= 1
+                got = store.summary[:, uid]
+                assert torch.allclose(got, self.expected_summary(row[s:e].long()), atol=1e-5)
+
+    def paths(self):
+        out = []
+
+        def walk(node, toks, slots):
+            if node.key is not None and node is not self.radix.root_node:
+                toks = toks + list(node.key.token_ids)
+                slots = slots + node.value.tolist()
+            if not node.children and toks:
+                out.append((toks, slots))
+            for child in node.children.values():
+                walk(child, toks, slots)
+
+        walk(self.radix.root_node, [], [])
+        return out
+
+    def check_against_rebuild(self):
+        assert not self.live
+        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+        store = self.manager.store
+        snap = store.snapshot()
+        rebuild = {}
+        for toks, slots in self.paths():
+            ends = self.manager.chunker.cuts(np.array(toks)).tolist()
+            starts = [0] + ends[:-1]
+            for s, e in zip(starts, ends):
+                key_slot = slots[s + self.manager.chunker.lookahead - 1]
+                rebuild[(key_slot, s, e)] = self.expected_summary(torch.tensor(slots[s:e]))
+        # exactly the rebuild's units: none missing, none stale, same summaries
+        assert sorted(snap) == sorted(rebuild)
+        for key, summ in rebuild.items():
+            assert torch.allclose(snap[key], summ, atol=1e-5), key
+        # no leaks: with no live request, each stored unit is held by its slot alone
+        assert store.live_units == len(snap)
+        assert all(int(store.refs[int(store.slot_unit[slot])]) == 1 for slot, _, _ in snap)
+        assert not self.manager.states
+
+
+@pytest.mark.parametrize("method", ["lychee", "quest"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_radix_history_equals_rebuild(method, seed):
+    w = World(method, seed)
+    for _ in range(120):
+        w.step()
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    w.check_against_rebuild()
+    assert w.manager.store.stats["units_reused"] > 0
+
+
+def test_concurrent_sharers_keep_their_own_decode_chunks():
+    w = World("lychee", 99)
+    w.rng = random.Random(5)
+    doc = w.docs[0]
+    w.docs = [doc]
+    w.start()
+    a = w.live[0]
+    w.finish(a, abort=False)            # the document is now cached
+    w.start()
+    w.start()
+    b, c = w.live
+    for _ in range(60):
+        w.forward_decode(b)
+        w.forward_decode(c)
+    sb, sc = w.manager.states[b.req_pool_idx], w.manager.states[c.req_pool_idx]
+    shared = set(sb.units) & set(sc.units)
+    assert shared  # the cached document's chunks are shared ...
+    tail_b = set(sb.units[len(sb.units) - 3:])
+    tail_c = set(sc.units[len(sc.units) - 3:])
+    assert not (tail_b & set(sc.units)) and not (tail_c & set(sb.units))  # ... decode chunks are not
+    w.check_live_requests()
