@@ -17,6 +17,7 @@ import torch
 from sgl_sparsekv.attend import dense_decode, sparse_decode
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 from sgl_sparsekv.manager import PoolPlan, SparseKVManager
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -79,10 +80,13 @@ class SparseKVAttnBackend(AttentionBackend):
         self.manager = SparseKVManager(
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
-            boundary_table=_boundary_table(runner, cfg))
+            boundary_table=_boundary_table(runner, cfg),
+            # summaries in the model's dtype on GPU (half the memory); fp32 on CPU for the reference path
+            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()
         self.decode_sparse = False
+        self.use_triton = str(self.device).startswith("cuda")
         self._last_log = 0.0
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,
                     type(inner).__name__, cfg.to_dict())
@@ -136,23 +140,41 @@ class SparseKVAttnBackend(AttentionBackend):
 
         H = k_buf.shape[1]
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         rows = forward_batch.req_pool_indices.tolist()
         req_to_token = self.req_to_token_pool.req_to_token
         stats = self.manager.stats
+        masks, slot_rows = [], []
         for i, row in enumerate(rows):
             S = self.manager.states[row].seq_len
-            slots = req_to_token[row, :S]
-            mask = self.manager.select(lid, row, q[i].view(H, -1, layer.qk_head_dim))
-            if mask is None:
-                out[i] = dense_decode(q[i], k_buf, v_buf, slots, layer.scaling)
-                attended = S
-            else:
-                out[i] = sparse_decode(q[i], k_buf, v_buf, slots, mask, layer.scaling)
-                attended = int(mask.sum()) // H
-            stats["attended_tokens"] += attended
+            slot_rows.append(req_to_token[row, :S])
+            masks.append(self.manager.select(lid, row, q[i].view(H, -1, layer.qk_head_dim)))
+            stats["attended_tokens"] += S if masks[-1] is None else int(masks[-1].sum()) // H
             stats["context_tokens"] += S
+        if self.use_triton:
+            out = self._attend_triton(q, k_buf, v_buf, slot_rows, masks, layer.scaling)
+        else:
+            out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+            for i, (slots, mask) in enumerate(zip(slot_rows, masks)):
+                out[i] = (dense_decode(q[i], k_buf, v_buf, slots, layer.scaling) if mask is None
+                          else sparse_decode(q[i], k_buf, v_buf, slots, mask, layer.scaling))
         return out.view(q.shape[0], -1)
+
+    def _attend_triton(self, q, k_buf, v_buf, slot_rows, masks, scale):
+        """One kernel launch for the batch: each (request, KV head) attends over its own slot list."""
+        H = k_buf.shape[1]
+        lists, counts = [], []
+        for slots, mask in zip(slot_rows, masks):
+            if mask is None:
+                lists.append(slots.repeat(H))
+                counts.append(torch.full((H,), len(slots), device=slots.device))
+            else:
+                head, pos = torch.nonzero(mask, as_tuple=True)   # row-major: grouped by head, positions ascending
+                lists.append(slots[pos])
+                counts.append(mask.sum(1))
+        indptr = torch.zeros(len(masks) * H + 1, dtype=torch.int32, device=q.device)
+        indptr[1:] = torch.cumsum(torch.cat(counts), 0)
+        indices = torch.cat(lists).to(torch.int32)
+        return sparse_decode_attention(q.contiguous(), k_buf, v_buf, indptr, indices, scale)
 
     # ------------------------------------------------------------------ delegated
     def get_cuda_graph_seq_len_fill_value(self):

@@ -40,6 +40,8 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
         value = getattr(sa, attr, None)
         if value is not None and value not in SUPPORTED_BACKENDS:
             bad(f"{flag} {value}", f"is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}")
+    if getattr(sa, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "bf16", "float16", "fp16"):
+        bad(f"--kv-cache-dtype {sa.kv_cache_dtype}", "is not supported yet (quantized KV)")
     if getattr(sa, "is_embedding", False):
         bad("--is-embedding", "has no decode phase to sparsify")
     check_model(_hf_config(sa), cfg)

@@ -46,7 +46,7 @@ class SparseKVConfig:
     kmeans_iters: int = 10
     # Coarse units are expanded in bound order until their fine clusters hold
     # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py).
-    coarse_expand: float = 4.0
+    coarse_expand: float = 16.0
     # --- quest ---
     page_size: int = 16
 

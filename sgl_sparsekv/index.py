@@ -75,6 +75,9 @@ class ClusterIndex:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in vars(self).values())
 
+    def clone(self) -> "ClusterIndex":
+        return ClusterIndex(**{k: v.clone() for k, v in vars(self).items()})
+
 
 def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -> tuple[int, int]:
     """L fine clusters (about ``fine_cluster_size`` chunks each) and P <= max_coarse coarse units (~sqrt L)."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import ClusterIndex, build_index, graft
+from sgl_sparsekv.index_cache import IndexCache
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 
@@ -37,6 +38,7 @@ class RequestState:
     ends: list[int] = field(default_factory=list)
     seq_len: int = 0
     index: dict[int, ClusterIndex] = field(default_factory=dict)
+    adopted: tuple[int, int] | None = None  # (IndexCache entry, shared units) this request grafts onto
 
     @property
     def indexed_end(self) -> int:
@@ -66,7 +68,8 @@ class PoolPlan:
 
 class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None):
+                 num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
+                 summary_dtype: torch.dtype = torch.float32):
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
@@ -77,13 +80,14 @@ class SparseKVManager:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         vecs = 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
         self.store = UnitStore(num_slots, max(0, num_layers - cfg.dense_layers), num_kv_heads, head_dim,
-                               vecs, self.device)
+                               vecs, self.device, dtype=summary_dtype)
         self.states: dict[int, RequestState] = {}
+        self.index_cache = IndexCache(self.store)
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
-        self.stats = {"index_builds": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
+        self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
                       "attended_tokens": 0, "context_tokens": 0}
 
     # ------------------------------------------------------------------ frees (any thread)
@@ -112,8 +116,14 @@ class SparseKVManager:
 
     def _drop(self, idx: int) -> None:
         state = self.states.pop(idx, None)
-        if state is not None:
-            self.store.release(state.units)
+        if state is None:
+            return
+        # a finished turn leaves its (grafted) index for the next turn that extends it
+        if state.index:
+            for l, index in state.index.items():
+                self._graft_missing(index, l, state)
+            self.index_cache.put(state.units, self._lengths(state), state.index)
+        self.store.release(state.units)
 
     # ------------------------------------------------------------------ per batch (forward thread)
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
@@ -220,19 +230,35 @@ class SparseKVManager:
                                     budget, cfg.page_size, cfg.gqa_reduce)
         return units_to_token_mask(unit_sel, starts, ends, S, sink, recent)
 
+    def _lengths(self, state: RequestState) -> torch.Tensor:
+        return torch.tensor(state.ends, device=self.device) - torch.tensor(state.starts, device=self.device)
+
     def _index(self, l: int, state: RequestState) -> ClusterIndex:
+        """The request's index at sparse layer ``l``: adopted from a shared prefix or built, then grafted."""
         index = state.index.get(l)
         if index is None:
-            keys = self.store.summary[l, state.units, :, 0].to(torch.float32).transpose(0, 1)  # [H, M, d]
-            lens = torch.tensor(state.ends, device=self.device) - torch.tensor(state.starts, device=self.device)
-            index = state.index[l] = build_index(keys, lens, self.cfg.fine_cluster_size, self.cfg.max_coarse,
-                                                 self.cfg.kmeans_iters)
-            self.stats["index_builds"] += 1
-            return index
+            if state.adopted is None:
+                # requests earlier in this very batch may have just cached this layer for a shared prefix
+                state.adopted = self.index_cache.find(state.units)
+            if state.adopted is not None:
+                index = self.index_cache.adopt(*state.adopted, l)
+            if index is not None:
+                self.stats["index_reused"] += 1
+            else:
+                keys = self.store.summary[l, state.units, :, 0].to(torch.float32).transpose(0, 1)  # [H, M, d]
+                index = build_index(keys, self._lengths(state), self.cfg.fine_cluster_size, self.cfg.max_coarse,
+                                    self.cfg.kmeans_iters)
+                self.stats["index_builds"] += 1
+                self.index_cache.add(state.units, self._lengths(state), l, index)
+            state.index[l] = index
+        self._graft_missing(index, l, state)
+        return index
+
+    def _graft_missing(self, index: ClusterIndex, l: int, state: RequestState) -> None:
+        """Lazy update: graft the units the request packed since its index was last brought up to date."""
         for i in range(index.num_chunks, len(state.units)):
             graft(index, self.store.summary[l, state.units[i], :, 0].to(torch.float32), state.ends[i] - state.starts[i])
             self.stats["grafts"] += 1
-        return index
 
     # ------------------------------------------------------------------ reporting
     def snapshot_stats(self) -> dict:
@@ -240,5 +266,7 @@ class SparseKVManager:
         out.update(self.stats)
         out["live_units"] = self.store.live_units
         out["live_requests"] = len(self.states)
-        out["index_bytes"] = self.store.nbytes() + sum(ix.nbytes() for s in self.states.values() for ix in s.index.values())
+        out["index_bytes"] = (self.store.nbytes() + self.index_cache.nbytes()
+                              + sum(ix.nbytes() for s in self.states.values() for ix in s.index.values()))
+        out["cached_indexes"] = len(self.index_cache.entries)
         return out

@@ -105,10 +105,13 @@ class UnitStore:
                 break
             found.append(uid)
             pos = int(self.unit_end[uid])
-        if found:
-            self.refs[torch.tensor(found, device=self.device)] += 1
-            self.stats["units_reused"] += len(found)
+        self.retain(found)
+        self.stats["units_reused"] += len(found)
         return found
+
+    def retain(self, ids) -> None:
+        if ids:
+            self.refs[torch.tensor(ids, device=self.device)] += 1
 
     def release(self, ids) -> None:
         for uid in ids:

@@ -4,6 +4,8 @@ Budget 256, so contexts of 2K-6K tokens really decode sparsely. The dense server
 its answers are the reference for the sparse ones.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -22,6 +24,11 @@ SHORT_PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
 ]
+
+
+def number(text: str) -> str | None:
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
 
 
 def fork_program():
@@ -115,7 +122,7 @@ def test_passkey_and_sparsity(sparse, reference):
     got = {d: text for d, (key, text) in out["passkey"].items()}
     if method == "lychee":
         for depth, (key, text) in reference["passkey"].items():
-            assert key in got[depth] and got[depth].strip() == text.strip(), (depth, got[depth], text)
+            assert number(got[depth]) == number(text) == key, (depth, got[depth], text)
     else:  # quest is the yardstick: it must run sparsely; its accuracy goes to the README table
         assert all(isinstance(t, str) for t in got.values())
 
@@ -128,9 +135,11 @@ def test_short_prompts_exactly_dense(sparse, reference):
 
 def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smollm2_tokenizer):
     method, srv, out = sparse
-    if method == "lychee":
-        assert out["fork_answers"] == reference["fork_answers"]
     before, after = out["fork_stats"]
+    if method == "lychee":
+        assert [number(a) for a in out["fork_answers"]] == [number(a) for a in reference["fork_answers"]]
+        # the forks adopted the document's cluster index instead of clustering it once per fork
+        assert after["index_reused"] - before["index_reused"] >= 28
     doc, questions = fork_doc(smollm2_tokenizer)
     n_doc = len(smollm2_tokenizer.encode(doc))
     unit = 16
@@ -141,6 +150,7 @@ def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smoll
 def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     method, srv, _ = sparse
     prompt, key = passkey(smollm2_tokenizer, 2500, 0.7, seed=21)
+    prompt = "Shared-prefix check. " + prompt  # nothing earlier in the session shares this prefix
     s0 = srv.stats()
     first = srv.complete(prompt)
     s1 = srv.stats()
@@ -153,6 +163,7 @@ def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
     if method == "lychee":
         assert key in first["choices"][0]["text"] and key in second["choices"][0]["text"]
+        assert s2["index_reused"] - s1["index_reused"] == 28  # every sparse layer (30 - 2 dense)
 
 
 def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
@@ -161,7 +172,7 @@ def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
     method, srv, _ = sparse
     tok = smollm2_tokenizer
     prompt, _ = passkey(tok, 1500, 0.5, seed=8)
-    ids = tok.encode(prompt)
+    ids = tok.encode("Multi-turn check. " + prompt)
     turn1 = srv.generate_ids(ids, 96, ignore_eos=True)
     out_ids = turn1["output_ids"]
     assert len(out_ids) == 96

@@ -190,6 +190,7 @@ class World:
     def check_against_rebuild(self):
         assert not self.live
         self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+        self.manager.index_cache.clear()  # cached indexes hold unit references of their own
         store = self.manager.store
         snap = store.snapshot()
         rebuild = {}
@@ -242,3 +243,7 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     tail_c = set(sc.units[len(sc.units) - 3:])
     assert not (tail_b & set(sc.units)) and not (tail_c & set(sb.units))  # ... decode chunks are not
     w.check_live_requests()
+    # the second sharer adopted the first one's index of the document instead of clustering again
+    assert w.manager.stats["index_reused"] >= LAYERS - w.cfg.dense_layers
+    ib, ic = w.manager.states[b.req_pool_idx].index, w.manager.states[c.req_pool_idx].index
+    assert all(ib[l].fine_mu.data_ptr() != ic[l].fine_mu.data_ptr() for l in ib)  # private copies

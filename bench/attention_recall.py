@@ -1,0 +1,151 @@
+"""Attention-level fidelity on captured Q/K/V of a real model (no generation, no server).
+
+    python -m bench.attention_recall --out bench/results/attention_recall_smollm2.json
+
+Runs the model once over long prompts with transformers, capturing every layer's post-RoPE
+queries, keys and values. The last ``--queries`` prompt positions act as decode queries over
+the tokens before them. For each sparse layer and each method/config it reports, against dense
+attention: top-k recall (share of the budget's top dense tokens that were selected),
+attention-mass recall (dense softmax weight on the selected tokens), the output's relative
+error, and the share of KV read. Selection runs through the same functions the server uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import torch
+
+from bench.tasks import passkey
+from sgl_sparsekv.chunking import BoundaryTable, Chunker
+from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.index import build_index
+from sgl_sparsekv.kernels.pool import pool_units_ref
+from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
+
+
+def capture(model_dir: str, prompt: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layers = []
+
+    def grab(module, q, k, v, *args, **kwargs):
+        layers.append((q[0].detach(), k[0].detach(), v[0].detach()))  # [Hq, T, d], [H, T, d], [H, T, d]
+        return sdpa_attention_forward(module, q, k, v, *args, **kwargs)
+
+    AttentionInterface.register("capture", grab)
+    model.config._attn_implementation = "capture"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        model(ids)
+    return tok, ids[0].numpy(), layers
+
+
+def unit_bounds(chunker, ids):
+    ends = chunker.cuts(ids)
+    starts = np.r_[0, ends[:-1]]
+    return torch.tensor(starts), torch.tensor(ends)
+
+
+def evaluate(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
+    n = len(ids)
+    if cfg.method == "lychee":
+        chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
+    else:
+        chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
+    per_layer = []
+    for l, (q_all, k_all, v_all) in enumerate(layers):
+        if l < cfg.dense_layers:
+            continue
+        H, _, d = k_all.shape
+        G = q_all.shape[0] // H
+        rows = []
+        for t in range(n - n_queries, n):
+            seq = t + 1                      # the query at position t sees tokens [0, t]
+            starts, ends = unit_bounds(chunker, ids[:seq])
+            keys = k_all[:, :seq]             # [H, seq, d]
+            kbuf = keys.transpose(0, 1)       # [seq, H, d] like a KV pool, slot = position
+            indptr = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
+            slots = torch.arange(int(ends[-1]) if len(ends) else 0, dtype=torch.int32)
+            q = q_all[:, t].view(H, G, d)
+            sink = min(cfg.sink_tokens, seq)
+            recent = min(cfg.recent_window, seq - sink)
+            budget = cfg.token_budget - sink - recent
+            if cfg.method == "lychee":
+                ukeys = pool_units_ref(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
+                index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce)
+            else:
+                mm = pool_units_ref(kbuf, slots, indptr, True)                          # [U, H, 2, d]
+                sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
+                                   cfg.page_size, cfg.gqa_reduce)
+            mask = units_to_token_mask(sel, starts, ends, seq, sink, recent)            # [H, seq]
+            logits = torch.einsum("hgd,hsd->hgs", q, keys) / math.sqrt(d)
+            w = torch.softmax(logits, -1)
+            m = mask[:, None, :].expand_as(w)
+            mass = (w * m).sum(-1)                                                       # [H, G]
+            k_top = min(cfg.token_budget, seq)
+            top = w.topk(k_top, dim=-1).indices
+            topk_recall = m.gather(-1, top).float().mean(-1)
+            ws = torch.softmax(logits.masked_fill(~m, float("-inf")), -1)
+            vals = v_all[:, :seq]
+            o_d = torch.einsum("hgs,hsd->hgd", w, vals)
+            o_s = torch.einsum("hgs,hsd->hgd", ws, vals)
+            err = (o_s - o_d).norm(dim=-1) / o_d.norm(dim=-1).clamp_min(1e-6)
+            rows.append((float(mass.mean()), float(mass.min()), float(topk_recall.mean()), float(err.mean()),
+                         float(mask.float().mean())))
+        r = np.array(rows)
+        per_layer.append(dict(layer=l, mass_recall=r[:, 0].mean(), mass_recall_min=r[:, 1].min(),
+                              topk_recall=r[:, 2].mean(), out_rel_err=r[:, 3].mean(), kv_read=r[:, 4].mean()))
+    agg = {k: float(np.mean([p[k] for p in per_layer])) for k in ("mass_recall", "topk_recall", "out_rel_err", "kv_read")}
+    agg["mass_recall_min"] = float(min(p["mass_recall_min"] for p in per_layer))
+    return dict(config=cfg.to_dict(), **agg, per_layer=per_layer)
+
+
+VARIANTS = {
+    "lychee": {},
+    "lychee-gqa-mean": {"gqa_reduce": "mean"},
+    "lychee-expand-4": {"coarse_expand": 4.0},
+    "lychee-flat": {"coarse_expand": 1e9},
+    "lychee-fixed-chunks": {"chunking": "fixed"},
+    "quest": {},
+    "quest-gqa-mean": {"gqa_reduce": "mean"},
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default="models/smollm2")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--length", type=int, default=3000)
+    ap.add_argument("--queries", type=int, default=4)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--out", default="bench/results/attention_recall_smollm2.json")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    prompt, _ = passkey(tok, a.length, 0.5, seed=3)
+    tok, ids, layers = capture(a.model_dir, prompt)
+    table = BoundaryTable.from_tokenizer(tok)
+    res = {"model": a.model_dir, "tokens": len(ids), "budget": a.budget, "queries": a.queries, "variants": {}}
+    for name in a.variants:
+        method = name.split("-")[0]
+        cfg = SparseKVConfig.from_method(method, {"token_budget": a.budget, **VARIANTS[name]})
+        r = evaluate(cfg, ids, layers, a.queries, table)
+        res["variants"][name] = r
+        print(f"{name:22s} mass {r['mass_recall']:.3f} (min {r['mass_recall_min']:.3f})  top-k {r['topk_recall']:.3f}"
+              f"  out err {r['out_rel_err']:.3f}  kv read {r['kv_read']:.3f}", flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Markdown tables for the README from the committed results (bench/results/*.json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def passkey_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"Passkey, {r['model']}, budget {r['budget']}, {r['device']} "
+             f"({len(r['seeds'])} seeds per cell; `{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| method | " + " | ".join(f"{n} tok, depth {int(d * 100)}%" for n in r["lengths"] for d in r["depths"])
+             + " | all | KV read by decode |",
+             "|---" * (len(r["lengths"]) * len(r["depths"]) + 3) + "|"]
+    for method, m in r["methods"].items():
+        cells = []
+        for n in r["lengths"]:
+            for d in r["depths"]:
+                rows = [x for x in m["rows"] if x["length"] == n and x["depth"] == d]
+                cells.append(f"{sum(x['correct'] for x in rows)}/{len(rows)}")
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {m['accuracy']:.0%} | {m['kv_fraction_read']:.1%} |")
+    return "\n".join(lines)
+
+
+def recall_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"Attention fidelity on captured Q/K/V, {r['model']}, {r['tokens']} tokens, budget {r['budget']}, "
+             f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| variant | attention-mass recall | worst head | top-k recall | output rel. error | KV read |",
+             "|---|---|---|---|---|---|"]
+    for name, v in r["variants"].items():
+        lines.append(f"| {name} | {v['mass_recall']:.3f} | {v['mass_recall_min']:.3f} | {v['topk_recall']:.3f} | "
+                     f"{v['out_rel_err']:.3f} | {v['kv_read']:.3f} |")
+    return "\n".join(lines)
+
+
+def kernels_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"Decode attention per layer, {r['device']}, Llama-3.1-8B shape, bf16 "
+             f"(`{path.relative_to(RESULTS.parent.parent)}`; ms, medians)", "",
+             "| context | batch | FlashInfer dense | Triton dense (SGLang) | sparse 1024 | sparse 2048 | speed-up 1024 vs FlashInfer |",
+             "|---|---|---|---|---|---|---|"]
+    for row in r["decode"]:
+        if "skipped" in row:
+            lines.append(f"| {row['ctx']} | {row['bs']} | skipped: {row['skipped']} | | | | |")
+            continue
+        fi = row.get("dense_flashinfer_ms")
+        tr = row.get("dense_triton_ms")
+        lines.append(f"| {row['ctx']} | {row['bs']} | {fi:.3f} | " + (f"{tr:.3f}" if tr else "n/a") +
+                     f" | {row['sparse_1024_ms']:.3f} | {row['sparse_2048_ms']:.3f} | {fi / row['sparse_1024_ms']:.1f}x |")
+    lines += ["", "| context | selection per layer, bs 1 (ms) | bs 8 (ms) | index build per layer (ms) | "
+                  "prefill per layer (ms) | build share |", "|---|---|---|---|---|---|"]
+    sel = {(s["ctx"], s["bs"]): s["ms"] for s in r["selection"]}
+    for b in r["index_build"]:
+        lines.append(f"| {b['ctx']} | {sel.get((b['ctx'], 1), float('nan')):.3f} | {sel.get((b['ctx'], 8), float('nan')):.3f} | "
+                     f"{b['build_ms_per_layer']:.2f} | {b['prefill_ms_per_layer']:.2f} | {b['build_share_of_prefill']:.0%} |")
+    return "\n".join(lines)
+
+
+def main():
+    out = []
+    for name, fn in (("passkey_smollm2.json", passkey_table), ("attention_recall_smollm2.json", recall_table),
+                     ("kernels_h100.json", kernels_table)):
+        p = RESULTS / name
+        if p.exists():
+            out.append(fn(p))
+    print("\n\n".join(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""IndexCache: cluster indexes of finished or running prefixes, so requests that share a prefix share
+its index instead of clustering it again (forks over one document, the next turn of a chat).
+
+An entry is a unit chain from position 0 (unit ids) and, per sparse layer, an index over exactly
+those units. It holds one reference on each of its units, so no id it names can be recycled
+while it lives. A request adopts the entry sharing the longest chain prefix with its own chain,
+if that prefix covers enough of it: it clones the entry's indexes (grafts mutate them), drops the
+entry's units past the shared prefix, and grafts its own remaining units. Least recently used
+entries beyond ``max_entries`` go, releasing their units.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_sparsekv.index import NEG_INF, ClusterIndex, _scatter_sum
+
+
+@dataclass
+class CachedIndex:
+    units: list[int]
+    lengths: torch.Tensor                   # tokens per unit
+    layers: dict[int, ClusterIndex] = field(default_factory=dict)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex:
+    """The index restricted to its first ``n`` chunks. Centroids and radii stay: the radii still cover
+    every remaining member, so the bounds stay valid (only a little looser)."""
+    if index.num_chunks == n:
+        return index
+    H, L = index.fine_r.shape
+    P = index.coarse_r.shape[1]
+    index.chunk_fine = index.chunk_fine[:, :n].contiguous()
+    ones = torch.ones(H, n, dtype=index.fine_n.dtype, device=index.fine_n.device)
+    index.fine_n = _scatter_sum(ones, index.chunk_fine, L)
+    index.fine_tokens = _scatter_sum(lengths[:n].to(ones.dtype).expand(H, -1), index.chunk_fine, L)
+    index.fine_r = index.fine_r.masked_fill(index.fine_n == 0, NEG_INF)
+    index.coarse_n = _scatter_sum(index.fine_n, index.fine_parent, P)
+    index.coarse_tokens = _scatter_sum(index.fine_tokens, index.fine_parent, P)
+    return index
+
+
+class IndexCache:
+    def __init__(self, store, max_entries: int = 16, min_shared: float = 0.75):
+        self.store = store
+        self.entries: OrderedDict[int, CachedIndex] = OrderedDict()
+        self.max_entries = max_entries
+        self.min_shared = min_shared
+        self._by_chain: dict[tuple[int, int], int] = {}
+        self._next = 0
+
+    def find(self, units: list[int]) -> tuple[int, int] | None:
+        """(entry id, shared prefix length) of the best entry for a chain, or None."""
+        best = None
+        for eid, entry in self.entries.items():
+            n = common_prefix(entry.units, units)
+            if n and (best is None or n > best[1]):
+                best = (eid, n)
+        if best is None or best[1] < self.min_shared * len(units):
+            return None
+        self.entries.move_to_end(best[0])
+        return best
+
+    def adopt(self, eid: int, shared: int, layer: int) -> ClusterIndex | None:
+        entry = self.entries.get(eid)
+        if entry is None or layer not in entry.layers:
+            return None
+        return truncate(entry.layers[layer].clone(), entry.lengths, shared)
+
+    def add(self, units: list[int], lengths: torch.Tensor, layer: int, index: ClusterIndex) -> None:
+        """Cache a copy of one layer's index over exactly ``units`` (other layers may follow)."""
+        if not units or index.num_chunks != len(units):
+            return
+        eid = self._by_chain.get((units[-1], len(units)))
+        if eid is None:
+            self.store.retain(units)
+            eid = self._next
+            self._next += 1
+            self.entries[eid] = CachedIndex(list(units), lengths.clone())
+            self._by_chain[(units[-1], len(units))] = eid
+        self.entries[eid].layers[layer] = index.clone()
+        self.entries.move_to_end(eid)
+        while len(self.entries) > self.max_entries:
+            self._evict(next(iter(self.entries)))
+
+    def put(self, units: list[int], lengths: torch.Tensor, indexes: dict[int, ClusterIndex]) -> None:
+        """Cache every layer of a finished request; drops the entries its chain extends."""
+        for eid in [e for e, ent in self.entries.items()
+                    if len(ent.units) < len(units) and common_prefix(ent.units, units) == len(ent.units)]:
+            self._evict(eid)
+        for l, ix in indexes.items():
+            self.add(units, lengths, l, ix)
+
+    def _evict(self, eid: int) -> None:
+        entry = self.entries.pop(eid)
+        del self._by_chain[(entry.units[-1], len(entry.units))]
+        self.store.release(entry.units)
+
+    def clear(self) -> None:
+        for eid in list(self.entries):
+            self._evict(eid)
+
+    def nbytes(self) -> int:
+        return sum(ix.nbytes() for e in self.entries.values() for ix in e.layers.values())
