@@ -1,6 +1,6 @@
 """Kernel microbenchmarks on the GPU (Llama-3.1-8B attention shape: 32 q / 8 kv heads, d 128, bf16).
 
-    python -m bench.bench_kernels --out bench/results/kernels_h100.json
+    python -m bench.bench_kernels --out bench/results/kernels_h200.json
 
 Per decode layer at context 8K-126K and batch 1/8/32:
   - dense decode baselines measured here: SGLang's Triton decode kernel and FlashInfer's paged decode;

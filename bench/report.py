@@ -64,7 +64,7 @@ def kernels_table(path: Path) -> str:
 def main():
     out = []
     for name, fn in (("passkey_smollm2.json", passkey_table), ("attention_recall_smollm2.json", recall_table),
-                     ("kernels_h100.json", kernels_table)):
+                     ("kernels_h200.json", kernels_table)):
         p = RESULTS / name
         if p.exists():
             out.append(fn(p))
