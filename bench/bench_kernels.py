@@ -5,8 +5,9 @@
 Per decode layer at context 8K-126K and batch 1/8/32:
   - dense decode baselines measured here: SGLang's Triton decode kernel and FlashInfer's paged decode;
   - sparse decode attention (kernels/sparse_decode.py) at budget 1024 and 2048;
-  - lychee selection cost: bounds over coarse units and all fine clusters (kernels/bounds.py) plus the
-    torch sort / prefix-sum that picks clusters, i.e. the whole per-layer retrieval;
+  - lychee selection cost: (a) bounds over coarse units and all fine clusters (kernels/bounds.py) plus a
+    torch sort / prefix sum, and (b) the fused kernels of kernels/select.py (coarse expansion, fine pick,
+    token-list emission, CSR), i.e. the whole per-layer retrieval;
   - index build (kernels/pool.py + spherical k-means) for one layer vs. one prefill layer of the same
     model measured in the same run (causal SDPA + the layer's matmuls at that context).
 Prints ratios against the dense baselines of the same run; every number is a median of do_bench.
@@ -25,6 +26,7 @@ import triton
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
+from sgl_sparsekv.kernels.select import compact, emit_tokens, pack, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -83,6 +85,31 @@ def selection_cost(bs, ctx, budget):
         return torch.zeros_like(take).scatter_(2, order, take)
 
     return bench(run), L, P
+
+
+def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
+    """kernels/select.py: coarse expansion + fine pick + token-list emission + CSR, for real index sizes."""
+    M = ctx // 12
+    indexes, starts, lens = [], [], []
+    for _ in range(bs):
+        keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
+        ln = torch.randint(8, 17, (M,), device="cuda")
+        indexes.append(build_index(keys, ln, 2.0, 64, 3))
+        starts.append(torch.cumsum(ln, 0) - ln + sink)
+        lens.append(ln)
+    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = pack(indexes, starts, lens, "cuda")
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+    rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda")
+    seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
+    req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
+    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+
+    def run():
+        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0)
+        lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget)
+        return compact(lens_out, windows, budget)
+
+    return bench(run)
 
 
 def prefill_layer_ms(ctx):
@@ -178,7 +205,8 @@ def main():
         torch.cuda.empty_cache()
         for bs in (1, 8):
             ms, L, P = selection_cost(bs, ctx, 1024)
-            res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "ms": ms})
+            res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "torch_ms": ms,
+                                     "fused_ms": fused_selection_ms(bs, ctx, 1024)})
             print(json.dumps(res["selection"][-1]), flush=True)
         build = index_build_ms(ctx)
         prefill = prefill_layer_ms(ctx)

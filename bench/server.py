@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import requests
@@ -34,6 +35,7 @@ class Server:
 
     def __init__(self, model_path: str, method: str = "off", config: dict | None = None, extra=(),
                  cpu: bool = True, log_path: str | None = None, timeout: float = 600):
+        model_path = os.path.abspath(model_path) if os.path.exists(model_path) else model_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
@@ -51,8 +53,9 @@ class Server:
 
     def __enter__(self):
         self.log = open(self.log_path, "w")
+        # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=tempfile.gettempdir())
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -1,11 +1,54 @@
-"""Seeded long-context task generators (no downloads): each returns (prompt, expected answer)."""
+"""Seeded long-context task generators (no downloads). Each returns a Sample: prompt, expected strings.
+
+A sample is correct when every expected string appears in the model's completion. Lengths are in
+tokens of the model's tokenizer (approximate: filler is added in whole sentences or entries).
+"""
 
 from __future__ import annotations
 
+import json
 import random
+import re
+from dataclasses import dataclass
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
           "There and back again. ")
+ESSAY = ["The committee met again on Tuesday to review the harvest figures.",
+         "Rain had delayed the northern fields by almost two weeks.",
+         "Most of the visitors came for the music rather than the food.",
+         "A narrow road winds through the valley toward the old mill.",
+         "Prices at the market stayed flat for the third month in a row.",
+         "The library extended its opening hours during the exam season.",
+         "Several bridges were repainted before the winter storms arrived.",
+         "Nobody remembered who had planted the row of chestnut trees."]
+WORDS = ["apple", "river", "candle", "falcon", "marble", "violet", "ember", "harbor", "meadow", "copper",
+         "lantern", "orchid", "glacier", "saddle", "thistle", "pepper"]
+
+
+@dataclass
+class Sample:
+    task: str
+    prompt: str
+    expected: list[str]
+
+    def score(self, completion: str) -> bool:
+        """Every expected string appears as a whole word (so "4" does not match inside "1455")."""
+        return all(re.search(rf"(?<!\w){re.escape(e)}(?!\w)", completion) for e in self.expected)
+
+
+def _ntok(tok, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def _hay(tok, rng: random.Random, n_tokens: int, needles: list[str], depths: list[float] | None = None) -> str:
+    """Essay sentences totalling about ``n_tokens`` with ``needles`` inserted at ``depths`` (random if None)."""
+    per = max(1, _ntok(tok, " ".join(ESSAY)) // len(ESSAY))
+    n = max(len(needles) + 1, (n_tokens - sum(_ntok(tok, x) for x in needles)) // per)
+    sents = [rng.choice(ESSAY) for _ in range(n)]
+    depths = depths if depths is not None else [rng.random() for _ in needles]
+    for needle, d in sorted(zip(needles, depths), key=lambda x: -x[1]):
+        sents.insert(int(d * len(sents)), needle)
+    return " ".join(sents)
 
 
 def passkey(tokenizer, n_tokens: int, depth: float, seed: int = 0) -> tuple[str, str]:
@@ -22,3 +65,141 @@ def passkey(tokenizer, n_tokens: int, depth: float, seed: int = 0) -> tuple[str,
     before = int(reps * depth)
     text = head + FILLER * before + needle + FILLER * (reps - before) + tail
     return text, key
+
+
+def task_passkey(tok, n, rng, depth=None):
+    prompt, key = passkey(tok, n, rng.random() if depth is None else depth, seed=rng.randrange(1 << 30))
+    return Sample("passkey", prompt, [key])
+
+
+def _num(rng):
+    return str(rng.randint(100000, 999999))
+
+
+def task_niah_single(tok, n, rng, depth=None):
+    w, v = rng.choice(WORDS), _num(rng)
+    hay = _hay(tok, rng, n - 60, [f"One of the special magic numbers for {w} is: {v}."], None if depth is None else [depth])
+    return Sample("niah_single", f"{hay}\nWhat is the special magic number for {w} mentioned in the provided text? "
+                                 f"The special magic number for {w} mentioned in the provided text is", [v])
+
+
+def task_niah_multikey(tok, n, rng, depth=None):
+    words = rng.sample(WORDS, 4)
+    vals = [_num(rng) for _ in words]
+    hay = _hay(tok, rng, n - 100, [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, vals)])
+    return Sample("niah_multikey", f"{hay}\nWhat is the special magic number for {words[0]} mentioned in the provided "
+                                   f"text? The special magic number for {words[0]} mentioned in the provided text is",
+                  [vals[0]])
+
+
+def task_niah_multivalue(tok, n, rng, depth=None):
+    w = rng.choice(WORDS)
+    vals = [_num(rng) for _ in range(3)]
+    hay = _hay(tok, rng, n - 100, [f"One of the special magic numbers for {w} is: {v}." for v in vals])
+    return Sample("niah_multivalue", f"{hay}\nWhat are all the special magic numbers for {w} mentioned in the provided "
+                                     f"text? The special magic numbers for {w} mentioned in the provided text are", vals)
+
+
+def task_niah_multiquery(tok, n, rng, depth=None):
+    words = rng.sample(WORDS, 3)
+    vals = [_num(rng) for _ in words]
+    hay = _hay(tok, rng, n - 100, [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, vals)])
+    return Sample("niah_multiquery", f"{hay}\nWhat are the special magic numbers for {words[0]} and {words[1]} mentioned "
+                                     f"in the provided text? The special magic numbers for {words[0]} and {words[1]} "
+                                     f"mentioned in the provided text are", vals[:2])
+
+
+def task_variable_tracking(tok, n, rng, depth=None):
+    names = rng.sample([f"{a}{b}" for a in "QWRTYPSDFG" for b in "HJKLZXCVBN"], 4)
+    v = str(rng.randint(10000, 99999))
+    chain = [f"VAR {names[0]} = {v}."] + [f"VAR {names[i]} = {names[i - 1]}." for i in range(1, 4)]
+    depths = sorted(rng.random() for _ in chain)
+    hay = _hay(tok, rng, n - 80, chain, depths)
+    return Sample("variable_tracking", f"{hay}\nFind all variables that are assigned the value {v} in the text above. "
+                                       f"Answer: According to the chain(s) of variable assignment in the text above, "
+                                       f"4 variables are assigned the value {v}, they are:", names)
+
+
+def _nested(rng, depth, width, counter):
+    if depth == 0:
+        counter[0] += 1
+        return rng.randint(1000, 9999)
+    keys = rng.sample(WORDS, width)
+    return {k: _nested(rng, depth - 1, width, counter) for k in keys}
+
+
+def _grow_json(tok, n, rng):
+    """Nested records (depth 3) until the document holds about ``n`` tokens."""
+    doc, counter, total = {}, [0], 0
+    while total < n:
+        key = f"record_{len(doc):04d}"
+        doc[key] = _nested(rng, 2, rng.randint(2, 4), counter)
+        total += _ntok(tok, json.dumps({key: doc[key]}, indent=2))
+    return doc
+
+
+def _leaf_path(rng, doc):
+    path, node = [], doc
+    while isinstance(node, dict):
+        k = rng.choice(sorted(node))
+        path.append(k)
+        node = node[k]
+    return path, node
+
+
+def task_json_value(tok, n, rng, depth=None):
+    doc = _grow_json(tok, n - 80, rng)
+    path, value = _leaf_path(rng, doc)
+    return Sample("json_value", json.dumps(doc, indent=2) + f"\nIn the JSON above, what is the value at the key path "
+                  f"{'.'.join(path)}? The value at {'.'.join(path)} is", [str(value)])
+
+
+def task_json_count(tok, n, rng, depth=None):
+    doc = _grow_json(tok, n - 80, rng)
+    rec = rng.choice(sorted(doc))
+    return Sample("json_count", json.dumps(doc, indent=2) + f"\nIn the JSON above, how many keys does the object "
+                  f"{rec} have? The object {rec} has", [str(len(doc[rec]))])
+
+
+def _yaml(node, indent=0):
+    pad = "  " * indent
+    out = []
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.append(f"{pad}{k}:")
+            out.append(_yaml(v, indent + 1))
+        else:
+            out.append(f"{pad}{k}: {v}")
+    return "\n".join(out)
+
+
+def task_yaml_value(tok, n, rng, depth=None):
+    doc = _grow_json(tok, int((n - 80) * 1.6), rng)  # YAML is terser than indented JSON
+    path, value = _leaf_path(rng, doc)
+    return Sample("yaml_value", _yaml(doc) + f"\n\nIn the YAML above, what is the value at the key path "
+                  f"{'.'.join(path)}? The value at {'.'.join(path)} is", [str(value)])
+
+
+def task_code_return(tok, n, rng, depth=None):
+    funcs, values, total = [], {}, 0
+    while total < n - 60:
+        name = f"{rng.choice(WORDS)}_{rng.choice(WORDS)}_{len(funcs)}"
+        v = rng.randint(100, 99999)
+        values[name] = v
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        funcs.append(f"def {name}(x):\n    y = x * {a} + {b}\n    if y > {a * b}:\n        y -= {b}\n    return {v}\n")
+        total += _ntok(tok, funcs[-1]) + 1
+    name = rng.choice(sorted(values))
+    return Sample("code_return", "\n".join(funcs) + f"\n# Question: what value does the function {name} return?\n"
+                  f"# Answer: the function {name} returns", [str(values[name])])
+
+
+TASKS = {f.__name__[5:]: f for f in (task_passkey, task_niah_single, task_niah_multikey, task_niah_multivalue,
+                                     task_niah_multiquery, task_variable_tracking, task_json_value, task_json_count,
+                                     task_yaml_value, task_code_return)}
+RULER = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking")
+STRUCTURED = ("json_value", "json_count", "yaml_value", "code_return")
+
+
+def make(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> Sample:
+    return TASKS[task](tokenizer, n_tokens, random.Random(f"{task}/{n_tokens}/{seed}"), depth)

@@ -9,7 +9,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # bench/ task generators
+sys.path.append(str(ROOT))  # bench/ and tests/ helpers; appended so PyPI packages win
 
 
 def pytest_collection_modifyitems(config, items):

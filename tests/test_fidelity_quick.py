@@ -1,0 +1,29 @@
+"""The fidelity suite's quick mode, through the real server (CPU, SmolLM2): it runs and its numbers hold."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.e2e
+
+
+def test_quick_mode(tmp_path, smollm2_dir):
+    out = tmp_path / "quick.json"
+    p = subprocess.run([sys.executable, "-m", "bench.fidelity", "--quick", "--model-dir", smollm2_dir,
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    runs = {r["method"]: r for r in res["runs"]}
+    assert set(runs) == {"off", "lychee", "quest", "lychee-fixed"}
+    for r in runs.values():
+        assert set(r["scores"]) == {"passkey@2000", "niah_multikey@2000", "json_value@2000"}
+        assert all(0.0 <= v <= 1.0 for v in r["scores"].values())
+    assert runs["off"]["kv_read"] == 1.0 and runs["off"]["passkey"] == 1.0
+    for name in ("lychee", "quest", "lychee-fixed"):
+        assert runs[name]["kv_read"] < 0.5, name   # decode really was sparse
+    assert runs["lychee"]["passkey"] == runs["off"]["passkey"]

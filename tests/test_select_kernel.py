@@ -1,0 +1,98 @@
+"""The batched selection kernels against the torch reference (sgl_sparsekv/select.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_sparsekv.index import build_index
+from sgl_sparsekv.kernels.select import compact, emit_tokens, pack, select_fine
+from sgl_sparsekv.select import select_clusters, units_to_token_mask
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_batch(bs, H, G, D, chunks_per_req, gen):
+    indexes, starts, lens, qs = [], [], [], []
+    for b in range(bs):
+        M = chunks_per_req[b]
+        centers = torch.randn(H, 5, D, generator=gen) * 2
+        pick = torch.randint(0, 5, (H, M), generator=gen)
+        keys = F.normalize(centers.gather(1, pick[..., None].expand(-1, -1, D)) + torch.randn(H, M, D, generator=gen),
+                           dim=-1)
+        ln = torch.randint(8, 17, (M,), generator=gen)
+        st = torch.cumsum(ln, 0) - ln + 16  # chunks start after a 16-token sink
+        indexes.append(build_index(keys, ln, 2.0, 64, 5))
+        starts.append(st)
+        lens.append(ln)
+        qs.append(torch.randn(H * G, D, generator=gen) * 2)
+    return indexes, starts, lens, torch.stack(qs)
+
+
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 64), (4, 128), (7, 64)])
+def test_select_fine_matches_reference(G, D):
+    gen = torch.Generator().manual_seed(G * 10 + D)
+    bs, H = 3, 2
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
+    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    budgets = [100, 400, 10_000]
+    for expand in (1.0, 4.0, 1e6):
+        sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln,
+                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand).cpu()
+        for b, ix in enumerate(indexes):
+            ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max")
+            got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
+            assert torch.equal(got, ref), (b, expand)
+
+
+def test_emit_matches_reference_mask():
+    gen = torch.Generator().manual_seed(5)
+    bs, H, G, D = 2, 2, 3, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 90], gen)
+    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    budget, sink, recent, cap = 300, 16, 64, 300 + 16
+    seq = torch.tensor([int(s[-1] + l[-1]) + 10 for s, l in zip(starts, lens)], dtype=torch.int32)
+    req_to_token = torch.zeros(4, 4096, dtype=torch.int32)
+    for b in range(bs):
+        req_to_token[b + 1, :int(seq[b])] = torch.randperm(100_000, generator=gen)[:int(seq[b])].to(torch.int32) + 1
+    rem = torch.tensor([budget - sink - recent] * bs, dtype=torch.int32, device=DEV)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
+    rows = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
+    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent, cap)
+    indptr, indices = compact(lens_out, windows, cap)
+    indptr, indices = indptr.cpu(), indices.cpu()
+    for b, ix in enumerate(indexes):
+        S = int(seq[b])
+        unit_sel = select_clusters(ix, q[b].view(H, G, D), budget - sink - recent, 16.0, "max").gather(1, ix.chunk_fine)
+        mask = units_to_token_mask(unit_sel, starts[b], starts[b] + lens[b], S, sink, recent)
+        for h in range(H):
+            want = sorted(req_to_token[b + 1, :S][mask[h]].tolist())
+            got = indices[indptr[b * H + h]:indptr[b * H + h + 1]].tolist()
+            assert len(got) == len(set(got)) and sorted(got) == want, (b, h)
+
+
+@pytest.mark.gpu
+def test_select_and_emit_real_shapes():
+    """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024."""
+    gen = torch.Generator().manual_seed(0)
+    bs, H, G, D = 8, 8, 4, 128
+    chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
+    indexes, starts, lens, q = make_batch(bs, H, G, D, chunks, gen)
+    coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    sink, recent, budget = 16, 64, 1024
+    rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
+    seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
+    req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
+    rows = torch.arange(bs, dtype=torch.int32, device=DEV)
+    lens_out, windows = emit_tokens(sel, chunk_pool, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink,
+                                    recent, budget)
+    indptr, indices = compact(lens_out, windows, budget)
+    sel, indptr, indices = sel.cpu(), indptr.cpu(), indices.cpu()
+    for b, ix in enumerate(indexes):
+        ref = select_clusters(ix, q[b].view(H, G, D).float(), budget - sink - recent, 16.0, "max")
+        assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
+        S = int(seq[b])
+        mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
+        for h in range(H):
+            got = indices[indptr[b * H + h]:indptr[b * H + h + 1]]
+            assert sorted(got.tolist()) == sorted(req_to_token[b, :S][mask[h]].tolist())
