@@ -27,7 +27,8 @@ import triton.language as tl
 def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, Budget, Scratch, Sel,
                         expand, stride_qb, stride_qh, stride_cm, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, ITERS: tl.constexpr):
+                        BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr,
+                        ITERS: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -87,8 +88,8 @@ def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, B
     for _ in range(ITERS):
         mid = (a + c) * 0.5
         total = 0.0
-        for blk in range(0, L, BLOCK_L):
-            offs_l = blk + tl.arange(0, BLOCK_L)
+        for blk in range(0, L, BLOCK_B):
+            offs_l = blk + tl.arange(0, BLOCK_B)
             lmask = offs_l < L
             fub = tl.load(Sel + (fo + offs_l) * H + h, mask=lmask, other=float("-inf"))
             ftok = tl.load(FTok + (fo + offs_l) * H + h, mask=lmask, other=0.0).to(tl.float32)
@@ -97,8 +98,8 @@ def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, B
         c = tl.where(fits, mid, c)
         a = tl.where(fits, a, mid)
     tl.debug_barrier()
-    for blk in range(0, L, BLOCK_L):
-        offs_l = blk + tl.arange(0, BLOCK_L)
+    for blk in range(0, L, BLOCK_B):
+        offs_l = blk + tl.arange(0, BLOCK_B)
         lmask = offs_l < L
         fub = tl.load(Sel + (fo + offs_l) * H + h, mask=lmask, other=float("-inf"))
         take = (fub >= c) & (fub > float("-inf"))
@@ -123,13 +124,14 @@ def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coar
         q, cmu, cr, ctok, fmu, fr, ftok, fpar, co, pn, fo, ln, budget, scratch, sel, float(expand),
         q.stride(0), q.stride(1), cmu.stride(0), fmu.stride(0),
         H=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_P=BLOCK_P, BLOCK_L=64, ITERS=48)
+        BLOCK_P=BLOCK_P, BLOCK_L=64, BLOCK_B=1024, ITERS=40)
     return sel
 
 
 @triton.jit
 def _emit_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken, Out, Lens, stride_rt,
-                 sink, recent, H: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+                 sink, recent, H: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                 MAXLEN: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -159,16 +161,11 @@ def _emit_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken,
         st = tl.maximum(st, n_sink)
         cnt = tl.where(take, tl.maximum(en - st, 0), 0)
         dst = n + tl.cumsum(cnt, 0) - cnt
-        for j in range(0, BLOCK_M):
-            pick = tl.arange(0, BLOCK_M) == j
-            c_j = tl.sum(tl.where(pick, cnt, 0), 0)
-            s_j = tl.sum(tl.where(pick, st, 0), 0)
-            d_j = tl.sum(tl.where(pick, dst, 0), 0)
-            for t in range(0, c_j, BLOCK_T):
-                k = t + tl.arange(0, BLOCK_T)
-                m = (k < c_j) & (d_j + k < CAP)
-                slot = tl.load(ReqToToken + row * stride_rt + s_j + k, mask=m, other=0)
-                tl.store(Out + base + d_j + k, slot, mask=m)
+        # every taken chunk's tokens at once: [BLOCK_M chunks, MAXLEN tokens]
+        k = tl.arange(0, MAXLEN)
+        m2 = (k[None, :] < cnt[:, None]) & ((dst[:, None] + k[None, :]) < CAP)
+        slot = tl.load(ReqToToken + row * stride_rt + st[:, None] + k[None, :], mask=m2, other=0)
+        tl.store(Out + base + dst[:, None] + k[None, :], slot, mask=m2)
         n += tl.sum(cnt, 0)
     # recent window
     for t in range(rec_start, S, BLOCK_T):
@@ -179,10 +176,12 @@ def _emit_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken,
     tl.store(Lens + pid, tl.minimum(n, CAP))
 
 
-def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int):
+def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
+                max_chunk: int = 16):
     """-> (indptr [bs*H+1] int32, indices [bs*H*cap] int32) for kernels/sparse_decode.py.
 
-    chunks = (fine [K,H] int32 local fine index, start [K] int32, length [K] int32); rows: request pool rows.
+    chunks = (fine [K,H] int32 local fine index, start [K] int32, length [K] int32 <= max_chunk); rows: request
+    pool rows.
     Each list holds at most ``cap`` slots (sized by the caller from the budget); lists are laid out in
     fixed windows, so the returned CSR points into them.
     """
@@ -191,7 +190,8 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
     out = torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device)
     lens = torch.empty(bs * H, dtype=torch.int32, device=sel.device)
     _emit_kernel[(bs * H,)](sel, cfine, cstart, clen, fo, ko, mn, rows, seq_lens, req_to_token, out, lens,
-                            req_to_token.stride(0), sink, recent, H=H, CAP=cap, BLOCK_M=32, BLOCK_T=16)
+                            req_to_token.stride(0), sink, recent, H=H, CAP=cap, BLOCK_M=64, BLOCK_T=64,
+                            MAXLEN=triton.next_power_of_2(max_chunk))
     return lens, out
 
 

@@ -45,16 +45,13 @@ def fork_program():
     return ask_all
 
 
-def fork_doc(tok):
-    filler, _ = passkey(tok, 1800, 0.5, seed=3)
-    facts = {"Alice": "31337", "Bob": "27182", "Carol": "16180"}
-    body = filler.split("\nWhat is the pass key?")[0]
-    parts = body.split(". ")
-    step = len(parts) // (len(facts) + 1)
-    for i, (name, num) in enumerate(facts.items()):
-        parts.insert((i + 1) * step, f"The secret number of {name} is {num}")
-    questions = [f"\nWhat is the secret number of {n}? The secret number of {n} is" for n in facts]
-    return ". ".join(parts), questions
+def fork_doc(tok, n_tokens=2500):
+    """A long document shared by every fork, and one question per fork (phrasings the model handles)."""
+    prompt, key = passkey(tok, n_tokens, 0.6, seed=3)
+    doc = prompt.split("\nWhat is the pass key?")[0]
+    questions = ["\nWhat is the pass key? The pass key is", "\nRepeat the pass key. The pass key is",
+                 "\nWhich number is the pass key? The pass key is"]
+    return doc, questions, key
 
 
 def run_suite(srv, tok):
@@ -67,7 +64,8 @@ def run_suite(srv, tok):
         out["short"].append(srv.complete(p, max_tokens=24)["choices"][0]["text"])
     import sglang as sgl
 
-    doc, questions = fork_doc(tok)
+    doc, questions, _ = fork_doc(tok)
+    srv.complete(doc, max_tokens=1)  # the document is cached before the forks arrive, whatever their timing
     sgl.set_default_backend(sgl.RuntimeEndpoint(srv.url))
     before = srv.stats()
     state = fork_program().run(doc=doc, questions=questions)
@@ -88,7 +86,7 @@ def reference(smollm2_dir, smollm2_tokenizer):
         return out
 
 
-def test_off_is_plain_sglang(reference):
+def test_off_is_plain_sglang(reference, smollm2_tokenizer):
     state = reference["state"]
     assert state["sparse_kv"] == "off" and state["sparse_kv_config"] == {"method": "off"}
     assert "sparse_kv_stats" not in state  # no sparse backend was built
@@ -96,6 +94,8 @@ def test_off_is_plain_sglang(reference):
         assert key in text, (depth, text)
     first, second, key, text = reference["cached"]
     assert key in text
+    _, _, doc_key = fork_doc(smollm2_tokenizer)
+    assert all(number(a) == doc_key for a in reference["fork_answers"])
     assert second["prompt_tokens_details"]["cached_tokens"] >= 0.9 * first["prompt_tokens"]
 
 
@@ -136,15 +136,15 @@ def test_short_prompts_exactly_dense(sparse, reference):
 def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smollm2_tokenizer):
     method, srv, out = sparse
     before, after = out["fork_stats"]
+    doc, questions, key = fork_doc(smollm2_tokenizer)
     if method == "lychee":
         assert [number(a) for a in out["fork_answers"]] == [number(a) for a in reference["fork_answers"]]
+        assert all(number(a) == key for a in out["fork_answers"])
         # the forks adopted the document's cluster index instead of clustering it once per fork
         assert after["index_reused"] - before["index_reused"] >= 28
-    doc, questions = fork_doc(smollm2_tokenizer)
-    n_doc = len(smollm2_tokenizer.encode(doc))
-    unit = 16
+    n_doc_units = len(smollm2_tokenizer.encode(doc)) // 16
     # each fork's prefill found the document's units in the radix cache instead of rebuilding them
-    assert after["units_reused"] - before["units_reused"] >= len(questions) * (n_doc // unit) * 0.9
+    assert after["units_reused"] - before["units_reused"] >= len(questions) * n_doc_units * 0.9
 
 
 def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
