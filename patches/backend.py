@@ -168,7 +168,7 @@ class SparseKVAttnBackend(AttentionBackend):
                 lists.append(slots.repeat(H))
                 counts.append(torch.full((H,), len(slots), device=slots.device))
             else:
-                head, pos = torch.nonzero(mask, as_tuple=True)   # row-major: grouped by head, positions ascending
+                _, pos = torch.nonzero(mask, as_tuple=True)   # row-major: grouped by head, positions ascending
                 lists.append(slots[pos])
                 counts.append(mask.sum(1))
         indptr = torch.zeros(len(masks) * H + 1, dtype=torch.int32, device=q.device)

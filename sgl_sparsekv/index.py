@@ -43,12 +43,12 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     return cent, assign
 
 
-def _scatter_max(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+def scatter_max(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.full(src.shape[:-1] + (n,), NEG_INF, dtype=src.dtype, device=src.device)
     return out.scatter_reduce_(-1, index, src, reduce="amax", include_self=True)
 
 
-def _scatter_sum(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+def scatter_sum(src: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.zeros(src.shape[:-1] + (n,), dtype=src.dtype, device=src.device)
     return out.scatter_add_(-1, index, src)
 
@@ -93,16 +93,16 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     L, P = cluster_counts(M, fine_cluster_size, max_coarse)
     fine_mu, chunk_fine = spherical_kmeans(keys, L, iters)
     dist = (keys - fine_mu.gather(1, chunk_fine[..., None].expand(-1, -1, d))).norm(dim=-1)
-    fine_r = _scatter_max(dist, chunk_fine, L)
+    fine_r = scatter_max(dist, chunk_fine, L)
     ones = torch.ones_like(dist)
-    fine_n = _scatter_sum(ones, chunk_fine, L)
-    fine_tokens = _scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
+    fine_n = scatter_sum(ones, chunk_fine, L)
+    fine_tokens = scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
 
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
     reach = (fine_mu - coarse_mu.gather(1, fine_parent[..., None].expand(-1, -1, d))).norm(dim=-1) + fine_r
-    coarse_r = _scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
-    coarse_n = _scatter_sum(fine_n, fine_parent, P)
-    coarse_tokens = _scatter_sum(fine_tokens, fine_parent, P)
+    coarse_r = scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
+    coarse_n = scatter_sum(fine_n, fine_parent, P)
+    coarse_tokens = scatter_sum(fine_tokens, fine_parent, P)
     return ClusterIndex(fine_mu, fine_r, fine_n, fine_tokens, fine_parent,
                         coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_sparsekv.index import NEG_INF, ClusterIndex, _scatter_sum
+from sgl_sparsekv.index import NEG_INF, ClusterIndex, scatter_sum
 
 
 @dataclass
@@ -43,11 +43,11 @@ def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex
     P = index.coarse_r.shape[1]
     index.chunk_fine = index.chunk_fine[:, :n].contiguous()
     ones = torch.ones(H, n, dtype=index.fine_n.dtype, device=index.fine_n.device)
-    index.fine_n = _scatter_sum(ones, index.chunk_fine, L)
-    index.fine_tokens = _scatter_sum(lengths[:n].to(ones.dtype).expand(H, -1), index.chunk_fine, L)
+    index.fine_n = scatter_sum(ones, index.chunk_fine, L)
+    index.fine_tokens = scatter_sum(lengths[:n].to(ones.dtype).expand(H, -1), index.chunk_fine, L)
     index.fine_r = index.fine_r.masked_fill(index.fine_n == 0, NEG_INF)
-    index.coarse_n = _scatter_sum(index.fine_n, index.fine_parent, P)
-    index.coarse_tokens = _scatter_sum(index.fine_tokens, index.fine_parent, P)
+    index.coarse_n = scatter_sum(index.fine_n, index.fine_parent, P)
+    index.coarse_tokens = scatter_sum(index.fine_tokens, index.fine_parent, P)
     return index
 
 
