@@ -23,7 +23,7 @@ from bench.tasks import passkey
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
-from sgl_sparsekv.kernels.pool import pool_units_ref
+from sgl_sparsekv.summary import summarize_units
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 
 
@@ -79,11 +79,11 @@ def evaluate(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
             recent = min(cfg.recent_window, seq - sink)
             budget = cfg.token_budget - sink - recent
             if cfg.method == "lychee":
-                ukeys = pool_units_ref(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
+                ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
                 sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce)
             else:
-                mm = pool_units_ref(kbuf, slots, indptr, True)                          # [U, H, 2, d]
+                mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
                                    cfg.page_size, cfg.gqa_reduce)
             mask = units_to_token_mask(sel, starts, ends, seq, sink, recent)            # [H, seq]

@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from sgl_sparsekv.summary import summarize_units
 
 
 @triton.jit
@@ -59,16 +60,5 @@ def pool_units(k_buffer: torch.Tensor, token_slots: torch.Tensor, indptr: torch.
     return out
 
 
-def pool_units_ref(k_buffer, token_slots, indptr, minmax: bool) -> torch.Tensor:
-    """Torch twin (the reference path in SparseKVManager.pool_layer computes the same)."""
-    counts = (indptr[1:] - indptr[:-1]).long()
-    seg = torch.repeat_interleave(torch.arange(len(counts), device=k_buffer.device), counts)
-    keys = k_buffer[token_slots.long()].float()
-    U, (H, D) = len(counts), keys.shape[1:]
-    if minmax:
-        idx = seg[:, None, None].expand_as(keys)
-        lo = torch.full((U, H, D), float("inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amin")
-        hi = torch.full((U, H, D), float("-inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amax")
-        return torch.stack([lo, hi], dim=2)
-    mean = torch.zeros(U, H, D, device=keys.device).index_add_(0, seg, keys) / counts.clamp_min(1)[:, None, None]
-    return F.normalize(mean, dim=-1)
+# the torch twin is the reference the CPU path runs
+pool_units_ref = summarize_units

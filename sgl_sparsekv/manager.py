@@ -19,14 +19,15 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import ClusterIndex, build_index, graft
 from sgl_sparsekv.index_cache import IndexCache
+from sgl_sparsekv.kernels.pool import pool_units
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
+from sgl_sparsekv.summary import summarize_units
 
 
 @dataclass
@@ -58,11 +59,13 @@ class PoolPlan:
         self.slots.append(slots)
 
     def packed(self, device):
+        """(unit ids, token slots, indptr) for summarize_units / kernels.pool.pool_units."""
         if self._packed is None:
             ids = torch.tensor(self.unit_ids, dtype=torch.int64, device=device)
             counts = torch.tensor([len(s) for s in self.slots], dtype=torch.int64, device=device)
-            seg = torch.repeat_interleave(torch.arange(len(self.slots), device=device), counts)
-            self._packed = (ids, torch.cat(self.slots).to(torch.int64), seg, counts)
+            indptr = torch.zeros(len(self.slots) + 1, dtype=torch.int32, device=device)
+            indptr[1:] = torch.cumsum(counts, 0)
+            self._packed = (ids, torch.cat(self.slots).to(torch.int32), indptr)
         return self._packed
 
 
@@ -189,19 +192,11 @@ class SparseKVManager:
         """Summaries of the plan's new units from this layer's keys (already written to the pool)."""
         if not plan.unit_ids or not self.is_sparse_layer(layer_id):
             return
-        ids, slots, seg, counts = plan.packed(self.device)
-        keys = k_buffer[slots].to(torch.float32)                      # [T, H, d]
-        n, (H, d) = len(counts), keys.shape[1:]
+        ids, slots, indptr = plan.packed(self.device)
+        summarize = pool_units if k_buffer.is_cuda else summarize_units
+        summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
         l = layer_id - self.cfg.dense_layers
-        if self.cfg.method == "lychee":
-            mean = torch.zeros(n, H, d, device=keys.device).index_add_(0, seg, keys) / counts[:, None, None]
-            self.store.summary[l, ids, :, 0] = F.normalize(mean, dim=-1).to(self.store.dtype)
-        else:
-            idx = seg[:, None, None].expand_as(keys)
-            kmin = torch.full((n, H, d), float("inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amin")
-            kmax = torch.full((n, H, d), float("-inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amax")
-            self.store.summary[l, ids, :, 0] = kmin.to(self.store.dtype)
-            self.store.summary[l, ids, :, 1] = kmax.to(self.store.dtype)
+        self.store.summary[l, ids] = summary.view(len(ids), *self.store.shape).to(self.store.dtype)
 
     def select(self, layer_id: int, req_pool_idx: int, q: torch.Tensor) -> torch.Tensor | None:
         """bool [H, seq_len] of tokens to attend for one request; None means attend densely.
