@@ -103,9 +103,10 @@ def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
     seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
     req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
     rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+    max_fine = int(ln_.max())
 
     def run():
-        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0)
+        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, max_fine=max_fine)
         lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget)
         return compact(lens_out, windows, budget)
 

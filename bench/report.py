@@ -63,10 +63,23 @@ def kernels_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def fidelity_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    tasks = r["tasks"]
+    lines = [f"Fidelity suite, {r['model']}, {r['device']}, lengths {r['lengths']}, {r['samples']} samples per task "
+             f"and length (`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| method | budget | " + " | ".join(tasks) + " | KV read |", "|---" * (len(tasks) + 3) + "|"]
+    for run in r["runs"]:
+        cells = [sum(v for k, v in run["scores"].items() if k.split("@")[0] == t) / len(r["lengths"]) for t in tasks]
+        lines.append(f"| {run['method']} | {run['budget'] or 'dense'} | " + " | ".join(f"{c:.2f}" for c in cells)
+                     + f" | {run['kv_read']:.1%} |")
+    return "\n".join(lines)
+
+
 def main():
     out = []
-    for name, fn in (("passkey_smollm2.json", passkey_table), ("attention_recall_smollm2.json", recall_table),
-                     ("kernels_h200.json", kernels_table)):
+    for name, fn in (("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
+                     ("attention_recall_smollm2.json", recall_table), ("kernels_h200.json", kernels_table)):
         p = RESULTS / name
         if p.exists():
             out.append(fn(p))

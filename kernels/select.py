@@ -28,7 +28,7 @@ def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, B
                         expand, stride_qb, stride_qh, stride_cm, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_B: tl.constexpr,
-                        ITERS: tl.constexpr):
+                        ITERS: tl.constexpr, ONE_BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -85,18 +85,30 @@ def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, B
     # bisection: the smallest threshold whose clusters (bound >= threshold) fit the budget
     a = lo - 1.0    # everything above a: may not fit
     c = hi + 1.0    # nothing above c: fits
-    for _ in range(ITERS):
-        mid = (a + c) * 0.5
-        total = 0.0
-        for blk in range(0, L, BLOCK_B):
-            offs_l = blk + tl.arange(0, BLOCK_B)
-            lmask = offs_l < L
-            fub = tl.load(Sel + (fo + offs_l) * H + h, mask=lmask, other=float("-inf"))
-            ftok = tl.load(FTok + (fo + offs_l) * H + h, mask=lmask, other=0.0).to(tl.float32)
-            total += tl.sum(tl.where(fub >= mid, ftok, 0.0), 0)
-        fits = total <= budget
-        c = tl.where(fits, mid, c)
-        a = tl.where(fits, a, mid)
+    if ONE_BLOCK:
+        # every cluster of the request fits one block: keep the bounds in registers across the bisection
+        offs_l = tl.arange(0, BLOCK_B)
+        lmask = offs_l < L
+        fub = tl.load(Sel + (fo + offs_l) * H + h, mask=lmask, other=float("-inf"))
+        ftok = tl.load(FTok + (fo + offs_l) * H + h, mask=lmask, other=0.0).to(tl.float32)
+        for _ in range(ITERS):
+            mid = (a + c) * 0.5
+            fits = tl.sum(tl.where(fub >= mid, ftok, 0.0), 0) <= budget
+            c = tl.where(fits, mid, c)
+            a = tl.where(fits, a, mid)
+    else:
+        for _ in range(ITERS):
+            mid = (a + c) * 0.5
+            total = 0.0
+            for blk in range(0, L, BLOCK_B):
+                offs_l = blk + tl.arange(0, BLOCK_B)
+                lmask = offs_l < L
+                fub = tl.load(Sel + (fo + offs_l) * H + h, mask=lmask, other=float("-inf"))
+                ftok = tl.load(FTok + (fo + offs_l) * H + h, mask=lmask, other=0.0).to(tl.float32)
+                total += tl.sum(tl.where(fub >= mid, ftok, 0.0), 0)
+            fits = total <= budget
+            c = tl.where(fits, mid, c)
+            a = tl.where(fits, a, mid)
     tl.debug_barrier()
     for blk in range(0, L, BLOCK_B):
         offs_l = blk + tl.arange(0, BLOCK_B)
@@ -106,8 +118,12 @@ def _select_fine_kernel(Q, CMu, CR, CTok, FMu, FR, FTok, FPar, Co, Pn, Fo, Ln, B
         tl.store(Sel + (fo + offs_l) * H + h, take.to(tl.float32), mask=lmask)
 
 
-def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64):
+def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64,
+                max_fine: int | None = None):
     """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows; other rows untouched.
+
+    ``max_fine`` (host-side upper bound on the batch's fine-cluster counts, known from the batch plan) picks
+    the variant that keeps a request's bounds in registers when they fit one block of 4096.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32)
     co/pn/fo/ln/budget: [bs] int32 per batch row.
@@ -118,13 +134,14 @@ def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coar
     H = cmu.shape[1]
     G = Hq // H
     BLOCK_P = max(16, triton.next_power_of_2(max_coarse))
+    one_block = max_fine is not None and max_fine <= 4096
     sel = torch.empty(fr.shape, dtype=torch.float32, device=q.device)
     scratch = torch.empty(bs * H * BLOCK_P, dtype=torch.int32, device=q.device)
     _select_fine_kernel[(bs * H,)](
         q, cmu, cr, ctok, fmu, fr, ftok, fpar, co, pn, fo, ln, budget, scratch, sel, float(expand),
         q.stride(0), q.stride(1), cmu.stride(0), fmu.stride(0),
         H=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_P=BLOCK_P, BLOCK_L=64, BLOCK_B=1024, ITERS=40)
+        BLOCK_P=BLOCK_P, BLOCK_L=64, BLOCK_B=4096 if one_block else 1024, ITERS=40, ONE_BLOCK=one_block)
     return sel
 
 

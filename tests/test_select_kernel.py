@@ -35,9 +35,9 @@ def test_select_fine_matches_reference(G, D):
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
     coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
-    for expand in (1.0, 4.0, 1e6):
+    for expand, max_fine in ((1.0, None), (4.0, int(ln.max())), (1e6, None), (1e6, int(ln.max()))):
         sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln,
-                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand).cpu()
+                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand, max_fine=max_fine).cpu()
         for b, ix in enumerate(indexes):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max")
             got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
@@ -80,7 +80,7 @@ def test_select_and_emit_real_shapes():
     coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, max_fine=int(ln.max()))
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
     rows = torch.arange(bs, dtype=torch.int32, device=DEV)
