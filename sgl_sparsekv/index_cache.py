@@ -52,10 +52,12 @@ def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex
 
 
 class IndexCache:
-    def __init__(self, store, max_entries: int = 16, min_shared: float = 0.75):
+    def __init__(self, store, max_entries: int = 16, max_bytes: int = 1 << 30, min_shared: float = 0.75):
         self.store = store
         self.entries: OrderedDict[int, CachedIndex] = OrderedDict()
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.min_shared = min_shared
         self._by_chain: dict[tuple[int, int], int] = {}
         self._next = 0
@@ -89,9 +91,13 @@ class IndexCache:
             self._next += 1
             self.entries[eid] = CachedIndex(list(units), lengths.clone())
             self._by_chain[(units[-1], len(units))] = eid
-        self.entries[eid].layers[layer] = index.clone()
+        entry = self.entries[eid]
+        if layer in entry.layers:
+            self.bytes -= entry.layers[layer].nbytes()
+        entry.layers[layer] = index.clone()
+        self.bytes += index.nbytes()
         self.entries.move_to_end(eid)
-        while len(self.entries) > self.max_entries:
+        while len(self.entries) > 1 and (len(self.entries) > self.max_entries or self.bytes > self.max_bytes):
             self._evict(next(iter(self.entries)))
 
     def put(self, units: list[int], lengths: torch.Tensor, indexes: dict[int, ClusterIndex]) -> None:
@@ -104,6 +110,7 @@ class IndexCache:
 
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)
+        self.bytes -= sum(ix.nbytes() for ix in entry.layers.values())
         del self._by_chain[(entry.units[-1], len(entry.units))]
         self.store.release(entry.units)
 
@@ -112,4 +119,4 @@ class IndexCache:
             self._evict(eid)
 
     def nbytes(self) -> int:
-        return sum(ix.nbytes() for e in self.entries.values() for ix in e.layers.values())
+        return self.bytes

@@ -141,3 +141,32 @@ def test_token_mask():
     m = units_to_token_mask(sel, starts, ends, 40, sink=4, recent=5)
     assert m[0].nonzero().flatten().tolist() == list(range(10)) + list(range(20, 30)) + list(range(35, 40))
     assert m[1].nonzero().flatten().tolist() == [0, 1, 2, 3] + list(range(35, 40))
+
+
+def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
+    from sgl_sparsekv.index_cache import IndexCache
+    from sgl_sparsekv.store import UnitStore
+
+    store = UnitStore(num_slots=64, num_layers=1, num_kv_heads=2, head_dim=16, vecs_per_unit=1)
+    gen = torch.Generator().manual_seed(0)
+    ids = [store.add_or_reuse(i * 10, i * 10 + 10, i)[0] for i in range(12)]
+    lens = torch.full((12,), 10)
+    index = build_index(_keys("random", 2, 12, 16, gen), lens, 2.0, 64, 5)
+    one = index.nbytes()
+    cache = IndexCache(store, max_bytes=int(2.5 * one))
+    cache.add(ids, lens, 0, index)
+    assert all(int(store.refs[i]) == 3 for i in ids)  # slot + caller + cache
+    # a request sharing the first 10 units adopts a copy truncated to them, with valid bookkeeping
+    found = cache.find(ids[:10] + [ids[11]])
+    assert found is not None and found[1] == 10
+    adopted = cache.adopt(*found, 0)
+    assert adopted.num_chunks == 10 and int(adopted.fine_tokens.sum()) == 2 * 100
+    assert adopted.fine_mu.data_ptr() != cache.entries[found[0]].layers[0].fine_mu.data_ptr()
+    assert cache.find(ids[:5] + ids[6:]) is None  # shares too little
+    # byte cap: older entries go, releasing their unit references
+    for n in (11, 10):
+        cache.add(ids[:n], lens[:n], 0, build_index(_keys("random", 2, n, 16, gen), lens[:n], 2.0, 64, 5))
+    assert len(cache.entries) == 2 and cache.nbytes() <= 2.5 * one
+    assert int(store.refs[ids[11]]) == 2  # the evicted 12-unit entry released it
+    cache.clear()
+    assert cache.nbytes() == 0 and all(int(store.refs[i]) == 2 for i in ids)
