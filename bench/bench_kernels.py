@@ -7,7 +7,8 @@ Per decode layer at context 8K-126K and batch 1/8/32:
   - sparse decode attention (kernels/sparse_decode.py) at budget 1024 and 2048;
   - lychee selection cost: (a) bounds over coarse units and all fine clusters (kernels/bounds.py) plus a
     torch sort / prefix sum, and (b) the fused kernels of kernels/select.py (coarse expansion, fine pick,
-    token-list emission, CSR), i.e. the whole per-layer retrieval;
+    token-list emission), i.e. the whole per-layer retrieval, and that plus the attention (``sparse_layer_ms``),
+    launched one by one and replayed from a CUDA graph (``*_graph_ms``, what the server's decode pays);
   - index build (kernels/pool.py + spherical k-means) for one layer vs. one prefill layer of the same
     model measured in the same run (causal SDPA + the layer's matmuls at that context).
 Prints ratios against the dense baselines of the same run; every number is a median of do_bench.
@@ -26,7 +27,7 @@ import triton
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
-from sgl_sparsekv.kernels.select import compact, emit_tokens, pack, select_fine
+from sgl_sparsekv.kernels.select import emit_tokens, pack, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -35,6 +36,16 @@ HIDDEN, FFN = 4096, 14336
 
 def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def graph_bench(fn, reps: int = 10) -> float:
+    """GPU time of ``fn`` replayed from a CUDA graph (as the server runs decode): no launch overhead."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return bench(graph.replay) / reps
 
 
 def splits_for(bs: int, n: int) -> int:
@@ -88,7 +99,8 @@ def selection_cost(bs, ctx, budget):
 
 
 def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
-    """kernels/select.py: coarse expansion + fine pick + token-list emission + CSR, for real index sizes."""
+    """kernels/select.py (coarse expansion + fine pick + token-list emission) for real index sizes, alone and
+    followed by the sparse attention over the emitted lists: the whole sparse decode layer of the pooled path."""
     M = ctx // 12
     indexes, starts, lens = [], [], []
     for _ in range(bs):
@@ -103,14 +115,20 @@ def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
     seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
     req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
     rows = torch.arange(bs, dtype=torch.int32, device="cuda")
-    max_fine = int(ln_.max())
+    k = torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    starts = torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget
+    ws = workspace_for(bs, H, HQ // H, D, 8, "cuda")
 
-    def run():
-        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, max_fine=max_fine)
-        lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget)
-        return compact(lens_out, windows, budget)
+    def select():
+        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, parts=32)
+        return emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget,
+                           parts=32)
 
-    return bench(run)
+    def layer():
+        lens_out, windows = select()
+        return sparse_decode_attention(q, k, k, starts, windows, D ** -0.5, workspace=ws, lens=lens_out)
+
+    return bench(select), bench(layer), graph_bench(select), graph_bench(layer)
 
 
 def prefill_layer_ms(ctx):
@@ -206,8 +224,10 @@ def main():
         torch.cuda.empty_cache()
         for bs in (1, 8):
             ms, L, P = selection_cost(bs, ctx, 1024)
+            fused, layer, fused_g, layer_g = fused_selection_ms(bs, ctx, 1024)
             res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "torch_ms": ms,
-                                     "fused_ms": fused_selection_ms(bs, ctx, 1024)})
+                                     "fused_ms": fused, "sparse_layer_ms": layer, "fused_graph_ms": fused_g,
+                                     "sparse_layer_graph_ms": layer_g})
             print(json.dumps(res["selection"][-1]), flush=True)
         build = index_build_ms(ctx)
         prefill = prefill_layer_ms(ctx)

@@ -22,7 +22,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 
 
-def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24) -> dict:
+def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None) -> dict:
+    """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -51,6 +52,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                     run_[group] = sum(vals) / len(vals)
             res["runs"].append(run_)
             print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
+            if save:
+                save(res)
     return res
 
 
@@ -102,10 +105,13 @@ def main():
 
     model_dir = a.model_dir or f"models/{a.model}"
     prepare(a.model, model_dir)
-    res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+
+    def save(res):
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+    res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save)
     if a.plot:
         plot(res, a.plot)
 

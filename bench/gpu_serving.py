@@ -1,25 +1,34 @@
-"""Serving on the GPU: SGLang dense vs --sparse-kv lychee, dummy Llama-3.1-8B weights, bench_serving random-ids.
+"""Serving on the GPU: SGLang dense FlashInfer vs --sparse-kv lychee, CUDA graphs on, dummy Llama-3.1-8B weights.
 
     python3 -m bench.gpu_serving --model /tmp/m8b --out $OUT/serving.json
 
-Both servers run eagerly (no CUDA graphs: the sparse path does not support them yet) over the Triton backend, so
-the comparison is like for like. Also checks that with the budget above the context, greedy tokens equal dense.
+Both servers run the FlashInfer backend with CUDA graphs (lychee wraps it: prefill and the dense
+layers run on FlashInfer, the sparse layers' decode on kernels/). Per server, against one running
+instance:
+  - greedy tokens for a prompt within the budget (must equal dense) and one past it (reported);
+  - TPOT at batch 1 per context length: a random-id prompt is prefilled and cached first, then the time of a
+    2-token request is subtracted from that of a (2 + n)-token request on the cached prompt, over n tokens;
+  - bench_serving at 32K input with concurrency, counting errors.
+Ratios are lychee over dense, from the same run on the same device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
+import time
 
 import requests
 
 from bench.server import Server
 
 COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
-          "--attention-backend", "triton", "--disable-cuda-graph", "--mem-fraction-static", "0.7",
-          "--max-running-requests", "8"]
+          "--attention-backend", "flashinfer", "--mem-fraction-static", "0.8", "--max-running-requests", "16",
+          "--cuda-graph-max-bs", "16", "--context-length", "131072"]
+KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
 
 
 def serve_bench(srv: Server, input_len: int, output_len: int, prompts: int, concurrency: int, out_file: str) -> dict:
@@ -28,49 +37,78 @@ def serve_bench(srv: Server, input_len: int, output_len: int, prompts: int, conc
            str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts), "--max-concurrency",
            str(concurrency), "--output-file", out_file]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    print(p.stdout[-3000:], p.stderr[-2000:], flush=True)
+    print(p.stdout[-1500:], p.stderr[-1500:], flush=True)
     with open(out_file) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    keep = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
-    return {k: rows[-1].get(k) for k in keep}
+    return {k: rows[-1].get(k) for k in KEEP}
 
 
 def greedy(srv: Server, ids: list[int], n: int) -> list[int]:
-    r = requests.post(srv.url + "/generate", timeout=600, json=dict(
+    r = requests.post(srv.url + "/generate", timeout=900, json=dict(
         input_ids=ids, sampling_params=dict(max_new_tokens=n, temperature=0, ignore_eos=True)))
     r.raise_for_status()
     return r.json()["output_ids"]
+
+
+def tpot_ms(srv: Server, ctx: int, n: int) -> dict:
+    ids = [random.Random(ctx).randrange(1000, 100_000) for _ in range(ctx)]
+    greedy(srv, ids, 2)                   # prefill; the prompt (and lychee's index of it) is now cached
+    t = time.perf_counter()
+    greedy(srv, ids, 2)
+    short = time.perf_counter() - t
+    t = time.perf_counter()
+    got = greedy(srv, ids, n + 2)
+    long = time.perf_counter() - t
+    assert len(got) == n + 2
+    return {"tpot_ms": round(1000 * (long - short) / n, 3), "cached_2_token_request_s": round(short, 3)}
+
+
+def measure(srv: Server, a, name: str) -> dict:
+    out = {"greedy_within_budget": greedy(srv, list(range(100, 1000)), 32),
+           "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32), "tpot_bs1": {}}
+    for ctx in a.contexts:
+        out["tpot_bs1"][ctx] = tpot_ms(srv, ctx, a.output_len)
+        print(name, ctx, out["tpot_bs1"][ctx], flush=True)
+    if a.prompts:
+        out["serving_32k"] = serve_bench(srv, 32768, a.output_len, a.prompts, a.concurrency,
+                                         f"{a.out}.{name}.serving.jsonl")
+    out["stats"] = srv.stats()
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--input-len", type=int, default=32768)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 126976])
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--budget", type=int, default=1024)
     a = ap.parse_args()
     import torch
 
-    res = {"device": torch.cuda.get_device_name(), "model": "Llama-3.1-8B shape, dummy weights", "settings": vars(a)}
-    ids = list(range(100, 2100))
-    for name, method, cfg in (("dense", "off", None), ("lychee", "lychee", {"token_budget": 1024}),
-                              ("lychee-budget-above-context", "lychee", {"token_budget": 4096})):
+    res = {"device": torch.cuda.get_device_name(), "model": "Llama-3.1-8B shape, dummy weights",
+           "settings": {k: v for k, v in vars(a).items() if k != "out"}, "server_args": COMMON}
+    for name in a.methods:
+        method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
         with Server(a.model, method, cfg, extra=COMMON, cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
-            res[name] = {"greedy": greedy(srv, ids, 16)}
-            if name != "lychee-budget-above-context":
-                res[name]["serving"] = serve_bench(srv, a.input_len, a.output_len, a.prompts, a.concurrency,
-                                                   f"{a.out}.{name}.jsonl")
-                if method != "off":
-                    res[name]["stats"] = srv.stats()
-        print(name, json.dumps(res[name])[:1500], flush=True)
+            res[name] = measure(srv, a, name)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-    res["greedy_equal_when_budget_covers_context"] = res["dense"]["greedy"] == res["lychee-budget-above-context"]["greedy"]
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print("greedy equal:", res["greedy_equal_when_budget_covers_context"])
+    if "dense" in res and "lychee" in res:
+        d, s = res["dense"], res["lychee"]
+        res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
+        same = sum(x == y for x, y in zip(d["greedy_past_budget"], s["greedy_past_budget"]))
+        res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
+        res["tpot_ratio_lychee_over_dense"] = {
+            ctx: round(s["tpot_bs1"][ctx]["tpot_ms"] / d["tpot_bs1"][ctx]["tpot_ms"], 3)
+            for ctx in d["tpot_bs1"]}
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps({k: res[k] for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
+                                              "tpot_ratio_lychee_over_dense")}))
 
 
 if __name__ == "__main__":

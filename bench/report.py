@@ -40,26 +40,55 @@ def recall_table(path: Path) -> str:
 
 def kernels_table(path: Path) -> str:
     r = json.loads(path.read_text())
+    budgets = [b for b in (1024, 2048) if any(f"sparse_{b}_ms" in row for row in r["decode"])]
     lines = [f"Decode attention per layer, {r['device']}, Llama-3.1-8B shape, bf16 "
              f"(`{path.relative_to(RESULTS.parent.parent)}`; ms, medians)", "",
-             "| context | batch | FlashInfer dense | Triton dense (SGLang) | sparse 1024 | sparse 2048 | speed-up 1024 vs FlashInfer |",
-             "|---|---|---|---|---|---|---|"]
+             "| context | batch | FlashInfer dense | Triton dense (SGLang) | " +
+             " | ".join(f"sparse {b}" for b in budgets) + " | speed-up 1024 vs FlashInfer |",
+             "|---" * (5 + len(budgets)) + "|"]
     for row in r["decode"]:
         if "skipped" in row:
-            lines.append(f"| {row['ctx']} | {row['bs']} | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {row['ctx']} | {row['bs']} | skipped: {row['skipped']} |" + " |" * (2 + len(budgets)))
             continue
         fi = row.get("dense_flashinfer_ms")
         tr = row.get("dense_triton_ms")
-        lines.append(f"| {row['ctx']} | {row['bs']} | {fi:.3f} | " + (f"{tr:.3f}" if tr else "n/a") +
-                     f" | {row['sparse_1024_ms']:.3f} | {row['sparse_2048_ms']:.3f} | {fi / row['sparse_1024_ms']:.1f}x |")
-    lines += ["", "| context | selection, torch (bs 1 / 8, ms) | selection, fused kernels (bs 1 / 8, ms) | "
-                  "index build per layer (ms) | prefill per layer (ms) | build share |", "|---|---|---|---|---|---|"]
+        lines.append(f"| {row['ctx']} | {row['bs']} | {fi:.3f} | " + (f"{tr:.3f}" if tr else "n/a") + " | " +
+                     " | ".join(f"{row[f'sparse_{b}_ms']:.3f}" for b in budgets) +
+                     f" | {fi / row['sparse_1024_ms']:.1f}x |")
+    lines += ["", "Per sparse layer of the pooled path (bs 1 / 8, ms): selection (select + emit) and the whole layer "
+                  "(selection + attention), launched one by one and replayed from a CUDA graph; index build vs prefill.",
+              "", "| context | fine clusters | selection | selection, graph | layer, graph | "
+                  "index build per layer | prefill per layer | build share |", "|---|---|---|---|---|---|---|---|"]
     sel = {(s["ctx"], s["bs"]): s for s in r["selection"]}
     for b in r["index_build"]:
         one, eight = sel[(b["ctx"], 1)], sel[(b["ctx"], 8)]
-        lines.append(f"| {b['ctx']} | {one['torch_ms']:.3f} / {eight['torch_ms']:.3f} | "
-                     f"{one['fused_ms']:.3f} / {eight['fused_ms']:.3f} | {b['build_ms_per_layer']:.2f} | "
+
+        def pair(key):
+            return f"{one[key]:.3f} / {eight[key]:.3f}" if key in one else "n/a"
+
+        lines.append(f"| {b['ctx']} | {one['fine_clusters']} | {pair('fused_ms')} | {pair('fused_graph_ms')} | "
+                     f"{pair('sparse_layer_graph_ms')} | {b['build_ms_per_layer']:.2f} | "
                      f"{b['prefill_ms_per_layer']:.2f} | {b['build_share_of_prefill']:.0%} |")
+    return "\n".join(lines)
+
+
+def serving_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    d, s = r["dense"], r["lychee"]
+    lines = [f"Serving, {r['device']}, {r['model']}, FlashInfer backend, CUDA graphs on, lychee budget "
+             f"{r['settings']['budget']} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| context | dense TPOT (ms) | lychee TPOT (ms) | lychee / dense |", "|---|---|---|---|"]
+    for ctx, v in d["tpot_bs1"].items():
+        lines.append(f"| {ctx} | {v['tpot_ms']:.2f} | {s['tpot_bs1'][ctx]['tpot_ms']:.2f} | "
+                     f"{s['tpot_bs1'][ctx]['tpot_ms'] / v['tpot_ms']:.2f} |")
+    if "serving_32k" in d:
+        lines += ["", "| bench_serving 32K in, 16 prompts, concurrency 8 | completed | output tok/s | median TPOT (ms) "
+                      "| mean TTFT (s) |", "|---|---|---|---|---|"]
+        for name, x in (("dense", d["serving_32k"]), ("lychee", s["serving_32k"])):
+            lines.append(f"| {name} | {x['completed']} | {x['output_throughput']:.1f} | {x['median_tpot_ms']:.1f} | "
+                         f"{x['mean_ttft_ms'] / 1000:.1f} |")
+    lines += ["", f"Greedy tokens equal dense within the budget: {r['greedy_equal_within_budget']}; past the budget "
+                  f"(4K prompt): {r['greedy_past_budget_same_tokens']} tokens the same."]
     return "\n".join(lines)
 
 
@@ -79,7 +108,10 @@ def fidelity_table(path: Path) -> str:
 def main():
     out = []
     for name, fn in (("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
-                     ("attention_recall_smollm2.json", recall_table), ("kernels_h200.json", kernels_table)):
+                     ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
+                     ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
+                     ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h200.json", serving_table),
+                     ("kernels_h200.json", kernels_table)):
         p = RESULTS / name
         if p.exists():
             out.append(fn(p))

@@ -8,6 +8,9 @@ log-sum-exp. bf16/fp16 in, fp32 accumulation. Lists may differ per KV head, so h
     indptr  [bs * H + 1] int32   list of (request b, KV head h) is indices[indptr[b*H+h] : indptr[b*H+h+1]]
     indices [capacity]   int32   KV slots (rows of SGLang's per-layer K/V buffers)
 
+or, for lists in fixed windows (``kernels/select.py:emit_tokens``), ``indptr[i]`` the start of list ``i``
+and ``lens[i]`` its length.
+
 Capacities are fixed by the caller (budget x bs x H), so the launch has static shapes and can
 be captured in a CUDA graph.
 """
@@ -20,16 +23,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Indptr, Indices, OPart, LsePart, sm_scale,
+def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
                     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_LENS: tl.constexpr):
     pid = tl.program_id(0)            # b * H + h
     split = tl.program_id(1)
     b = pid // H
     h = pid % H
     start = tl.load(Indptr + pid)
-    end = tl.load(Indptr + pid + 1)
+    if HAS_LENS:
+        end = start + tl.load(Lens + pid)
+    else:
+        end = tl.load(Indptr + pid + 1)
     per = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * per
     hi = tl.minimum(end, lo + per)
@@ -98,7 +104,8 @@ def _merge_kernel(OPart, LsePart, O, stride_ob, stride_oh,
 def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                             indptr: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                             out: torch.Tensor | None = None, num_splits: int = 8, block_n: int = 32,
-                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            lens: torch.Tensor | None = None) -> torch.Tensor:
     """q [bs, Hq, d]; k/v_buffer [slots, H, d]; indptr [bs*H+1]; indices [cap] -> out [bs, Hq, d].
 
     ``workspace`` (partial outputs and log-sum-exps, see :func:`workspace_for`) can be preallocated
@@ -115,9 +122,10 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         workspace = workspace_for(bs, H, G, D, num_splits, q.device)
     opart, lse = workspace
     _partial_kernel[(bs * H, num_splits)](
-        q, k_buffer, v_buffer, indptr, indices, opart, lse, sm_scale,
+        q, k_buffer, v_buffer, indptr, indptr if lens is None else lens, indices, opart, lse, sm_scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits)
+        H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits,
+        HAS_LENS=lens is not None)
     _merge_kernel[(bs * H,)](opart, lse, out, out.stride(0), out.stride(1),
                              H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, SPLITS=num_splits)
     return out
@@ -130,16 +138,17 @@ def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> t
             torch.empty(bs * H * num_splits * BLOCK_G, dtype=torch.float32, device=device))
 
 
-def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale):
+def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None):
     """Torch twin: plain softmax attention per (request, KV head) over its slot list, in fp32."""
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]
     G = Hq // H
     out = torch.zeros(bs, Hq, D, dtype=torch.float32, device=q.device)
     ptr = indptr.tolist()
+    ends = ptr[1:] if lens is None else [p + n for p, n in zip(ptr, lens.tolist())]
     for b in range(bs):
         for h in range(H):
-            slots = indices[ptr[b * H + h]:ptr[b * H + h + 1]].long()
+            slots = indices[ptr[b * H + h]:ends[b * H + h]].long()
             if len(slots) == 0:
                 continue
             qh = q[b, h * G:(h + 1) * G].float()

@@ -2,9 +2,15 @@
 
 Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinfer on GPU);
 afterwards the new retrieval units of each sparse layer are summarized from the keys just
-written. Decode selects, per request and KV head, the tokens to attend (sgl_sparsekv) and
-attends over them. A batch with no request past its budget, and every dense layer, goes
-straight to the wrapped backend, so short contexts behave exactly like ``--sparse-kv off``.
+written. Dense layers always decode on the wrapped backend.
+
+Two decode paths for the sparse layers:
+- reference (CPU, and quest on the GPU): per request, ``SparseKVManager.select`` gives a token mask
+  and attention runs over it. A batch with no request past its budget goes to the wrapped backend,
+  so short contexts behave exactly like ``--sparse-kv off``.
+- pooled (lychee on the GPU): ``PooledDecode`` keeps indexes in device pools and runs static-shape
+  kernels, so decode is captured in SGLang's CUDA graphs. Requests within the budget attend to all
+  their tokens through the same kernels.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 from sgl_sparsekv.manager import PoolPlan, SparseKVManager
+from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -77,32 +84,69 @@ class SparseKVAttnBackend(AttentionBackend):
         pool = self.token_to_kv_pool
         start = getattr(pool, "start_layer", 0) or 0
         k0 = pool.get_key_buffer(start)
+        self.use_triton = str(self.device).startswith("cuda")
         self.manager = SparseKVManager(
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
             # summaries in the model's dtype on GPU (half the memory); fp32 on CPU for the reference path
-            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
+            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16,
+            use_pools=self.use_triton and cfg.method == "lychee")
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()
         self.decode_sparse = False
-        self.use_triton = str(self.device).startswith("cuda")
+        self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
+        self.pooled = self.active = self._big = None
+        if self.manager.pools is not None:
+            self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
         self._last_log = 0.0
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,
                     type(inner).__name__, cfg.to_dict())
 
     # ------------------------------------------------------------------ metadata, once per batch
     def init_forward_metadata(self, forward_batch):
+        """Eager batches (prefill always; decode when CUDA graphs are off or the batch is too big)."""
         self.inner.init_forward_metadata(forward_batch)
+        self._prepare(forward_batch, forward_batch.batch_size)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+        if self.pooled is not None and max_bs > self.pooled.max_bs:
+            self.pooled = self.active = PooledDecode(self.manager, max_bs=max_bs, q_heads=self.q_heads)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Before a captured decode graph runs (capture and every replay): host work, static buffers."""
+        self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        bs = forward_batch.batch_size
+        if in_capture:
+            self.active = self.pooled
+            self.pooled.fill_idle(bs)
+        else:
+            self._prepare(forward_batch, bs - (getattr(forward_batch, "num_padding", 0) or 0), padded_bs=bs)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self.inner.init_forward_metadata_in_graph(forward_batch)
+
+    def _prepare(self, forward_batch, bs: int, padded_bs: int | None = None):
         mode = forward_batch.forward_mode
         req_to_token = self.req_to_token_pool.req_to_token
         if mode.is_idle():
             self.plan = PoolPlan()
             return
-        rows = forward_batch.req_pool_indices.tolist()
+        rows = forward_batch.req_pool_indices[:bs].tolist()
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
-                    else forward_batch.seq_lens).tolist()
-        if mode.is_decode():
+                    else forward_batch.seq_lens)[:bs].tolist()
+        if mode.is_decode() and self.pooled is not None:
+            self.plan = PoolPlan()
+            self.active = self.pooled
+            if bs > self.pooled.max_bs:   # an eager batch past the captured sizes: buffers of its own
+                if self._big is None or self._big.max_bs < bs:
+                    self._big = PooledDecode(self.manager, max_bs=bs, q_heads=self.q_heads)
+                self.active = self._big
+            self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, forward_batch.input_ids[:bs],
+                                forward_batch.out_cache_loc[:bs], self.token_to_kv_pool.get_key_buffer)
+            self.manager.stats["sparse_steps" if any(map(self.manager.needs_sparse, seq_lens)) else "dense_steps"] += 1
+        elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, forward_batch.input_ids,
                                                     forward_batch.out_cache_loc)
             self.decode_sparse = any(self.manager.needs_sparse(s) for s in seq_lens)
@@ -128,6 +172,8 @@ class SparseKVAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
+        if self.pooled is not None:
+            return self._decode_pooled(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if not self.decode_sparse or not self.manager.is_sparse_layer(lid):
             out = self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
             self.manager.pool_layer(lid, self.token_to_kv_pool.get_key_buffer(lid), self.plan)
@@ -157,6 +203,18 @@ class SparseKVAttnBackend(AttentionBackend):
             for i, (slots, mask) in enumerate(zip(slot_rows, masks)):
                 out[i] = (dense_decode(q[i], k_buf, v_buf, slots, layer.scaling) if mask is None
                           else sparse_decode(q[i], k_buf, v_buf, slots, mask, layer.scaling))
+        return out.view(q.shape[0], -1)
+
+    def _decode_pooled(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs):
+        lid = layer.layer_id
+        if not self.manager.is_sparse_layer(lid):
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        out = self.active.attend(q, self.token_to_kv_pool.get_key_buffer(lid),
+                                 self.token_to_kv_pool.get_value_buffer(lid), lid - self.cfg.dense_layers,
+                                 self.req_to_token_pool.req_to_token, layer.scaling)
         return out.view(q.shape[0], -1)
 
     def _attend_triton(self, q, k_buf, v_buf, slot_rows, masks, scale):

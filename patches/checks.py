@@ -44,6 +44,10 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
         bad(f"--kv-cache-dtype {sa.kv_cache_dtype}", "is not supported yet (quantized KV)")
     if getattr(sa, "is_embedding", False):
         bad("--is-embedding", "has no decode phase to sparsify")
+    graphs = getattr(sa, "cuda_graph_config", None)
+    if getattr(sa, "device", None) != "cpu" and graphs is not None and getattr(graphs.prefill, "backend", "disabled") != "disabled":
+        bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
+            "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
     check_model(_hf_config(sa), cfg)
 
 
@@ -88,6 +92,8 @@ def check_model(hf, cfg: SparseKVConfig) -> None:
 def check_runner(runner, cfg: SparseKVConfig) -> None:
     """The same model checks in the scheduler, on the config SGLang actually loaded."""
     check_model(runner.model_config.hf_config, cfg)
-    if runner.device != "cpu" and not runner.server_args.disable_cuda_graph:
-        raise ConfigError(f"--sparse-kv {cfg.method} on {runner.device}: CUDA graphs need the Triton decode path, "
-                          "which is not built yet; add --disable-cuda-graph")
+    graphs = getattr(runner.server_args, "cuda_graph_config", None)
+    decode_graphs = graphs is not None and getattr(graphs.decode, "backend", "disabled") != "disabled"
+    if cfg.method == "quest" and runner.device != "cpu" and decode_graphs:
+        raise ConfigError(f"--sparse-kv quest on {runner.device} is a baseline that decodes eagerly; "
+                          "add --disable-cuda-graph (lychee runs with CUDA graphs)")

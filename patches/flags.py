@@ -39,8 +39,10 @@ def attach(server_args, method: str, overrides) -> None:
 
 def from_cli_args(original, cls, args: argparse.Namespace):
     method = getattr(args, "sparse_kv", "off")
-    if method != "off" and getattr(args, "device", None) == "cpu" and getattr(args, "attention_backend", None) is None:
-        args.attention_backend = "torch_native"  # SGLang's x86 CPU default (intel_amx) is not a decode backend we wrap
+    if method != "off":
+        if getattr(args, "device", None) == "cpu" and getattr(args, "attention_backend", None) is None:
+            args.attention_backend = "torch_native"  # SGLang's x86 CPU default (intel_amx) is not a backend we wrap
+        args.disable_prefill_cuda_graph = True  # prefill does host bookkeeping per batch; decode graphs stay on
     server_args = original(cls, args)
     try:
         attach(server_args, method, getattr(args, "sparse_kv_config", None))
@@ -53,8 +55,10 @@ def server_args_init(original, self, *args, **kwargs):
     """``sglang.Engine(..., sparse_kv="lychee", sparse_kv_config={...})`` and ``ServerArgs(...)``."""
     method = kwargs.pop("sparse_kv", "off")
     overrides = kwargs.pop("sparse_kv_config", None)
-    if method != "off" and kwargs.get("device") == "cpu" and kwargs.get("attention_backend") is None:
-        kwargs["attention_backend"] = "torch_native"
+    if method != "off":
+        if kwargs.get("device") == "cpu" and kwargs.get("attention_backend") is None:
+            kwargs["attention_backend"] = "torch_native"
+        kwargs["disable_prefill_cuda_graph"] = True
     original(self, *args, **kwargs)
     attach(self, method, overrides)
 

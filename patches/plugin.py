@@ -30,6 +30,23 @@ def wrap_attention_backend(original, runner, *args, **kwargs):
     return SparseKVAttnBackend(runner, backend, cfg)
 
 
+def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kwargs):
+    """Per-token bytes of the KV pool plus the unit summaries and index pools, so SGLang sizes the KV pool
+    with room for them (they are allocated at startup, after the KV pool, on the GPU)."""
+    cfg = flags.config_of(runner.server_args)
+    if not cfg.enabled or runner.device == "cpu" or runner.is_draft_worker:
+        return cell_size
+    from sglang.srt.layers.dp_attention import get_attention_tp_size
+
+    from sgl_sparsekv.manager import bytes_per_token
+
+    mc = runner.model_config
+    extra = bytes_per_token(cfg, num_layers, mc.get_num_kv_heads(get_attention_tp_size()), mc.head_dim,
+                            pooled=cfg.method == "lychee")
+    logger.info("sparse-kv: %d bytes per KV slot for summaries and index pools (KV itself: %d)", extra, cell_size)
+    return cell_size + extra
+
+
 def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
     backend = getattr(scheduler.tp_worker.model_runner, "attn_backend", None)
     manager = getattr(backend, "manager", None)
@@ -44,5 +61,7 @@ def register() -> None:
     HookRegistry.register(f"{_SA}.__init__", flags.server_args_init, HookType.AROUND)
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend",
                           wrap_attention_backend, HookType.AROUND)
+    HookRegistry.register("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+                          charge_index_memory, HookType.AFTER)
     HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
                           add_stats_to_internal_state, HookType.AFTER)

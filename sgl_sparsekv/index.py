@@ -99,12 +99,31 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     fine_tokens = scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
 
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
+    # store fine clusters grouped by coarse unit: a step's expanded units are then contiguous runs
+    order = torch.sort(fine_parent, dim=-1, stable=True).indices
+    fine_mu = fine_mu.gather(1, order[..., None].expand(-1, -1, d))
+    fine_r, fine_n, fine_tokens, fine_parent = (t.gather(1, order) for t in (fine_r, fine_n, fine_tokens, fine_parent))
+    chunk_fine = torch.argsort(order, dim=-1).gather(1, chunk_fine)
     reach = (fine_mu - coarse_mu.gather(1, fine_parent[..., None].expand(-1, -1, d))).norm(dim=-1) + fine_r
     coarse_r = scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
     coarse_n = scatter_sum(fine_n, fine_parent, P)
     coarse_tokens = scatter_sum(fine_tokens, fine_parent, P)
     return ClusterIndex(fine_mu, fine_r, fine_n, fine_tokens, fine_parent,
                         coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine)
+
+
+def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float, max_coarse: int,
+                        iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
+    """``build_index`` over many heads (e.g. every layer's), a group of heads at a time so the
+    chunk-to-centroid similarity matrix stays under ``max_bytes``. Same result as one call."""
+    H, M, _ = keys.shape
+    L, _ = cluster_counts(M, fine_cluster_size, max_coarse)
+    group = max(1, min(H, max_bytes // max(1, M * L * 4)))
+    parts = [build_index(keys[h:h + group], chunk_len, fine_cluster_size, max_coarse, iters)
+             for h in range(0, H, group)]
+    if len(parts) == 1:
+        return parts[0]
+    return ClusterIndex(**{k: torch.cat([vars(p)[k] for p in parts]) for k in vars(parts[0])})
 
 
 def graft(index: ClusterIndex, key: torch.Tensor, length: int) -> None:

@@ -6,6 +6,13 @@
     (layer)  -> pool_layer, then select: index (built on first use, grafted after) -> token mask
     free     -> request_freed / slots_freed: deferred, applied at the next batch
 
+On the GPU (``use_pools``) decode keeps every request's index in fixed device pools instead, so the
+per-layer work is static-shape kernels that a CUDA graph can hold:
+
+    decode   -> prepare_decode_pooled: cut, summarize new units for every layer, build or adopt the
+                index into the pools, graft new chunks (kernels/graft.py) -> per-request pool ranges
+    (layer)  -> kernels/select.py (select_fine, emit_tokens) and kernels/sparse_decode.py, in the backend
+
 It knows nothing of SGLang: the attention backend in ``sgl_sparsekv.patches`` feeds it batch
 facts (request pool rows, lengths, KV slots, token ids) and the per-layer KV buffers.
 Frees arrive from the scheduler thread and are applied at the start of the next batch in the
@@ -16,14 +23,17 @@ the forward pass).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import ClusterIndex, build_index, graft
+from sgl_sparsekv.index import ClusterIndex, build_index, build_index_grouped, graft
 from sgl_sparsekv.index_cache import IndexCache
+from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
+from sgl_sparsekv.kernels.graft import graft_chunks
 from sgl_sparsekv.kernels.pool import pool_units
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
@@ -40,6 +50,8 @@ class RequestState:
     seq_len: int = 0
     index: dict[int, ClusterIndex] = field(default_factory=dict)
     adopted: tuple[int, int] | None = None  # (IndexCache entry, shared units) this request grafts onto
+    pool: PoolRanges | None = None          # pooled path: the request's rows in the index pools
+    pool_full: bool = False                 # pooled path: no room; decodes on sink + recent window only
 
     @property
     def indexed_end(self) -> int:
@@ -65,14 +77,32 @@ class PoolPlan:
             counts = torch.tensor([len(s) for s in self.slots], dtype=torch.int64, device=device)
             indptr = torch.zeros(len(self.slots) + 1, dtype=torch.int32, device=device)
             indptr[1:] = torch.cumsum(counts, 0)
-            self._packed = (ids, torch.cat(self.slots).to(torch.int32), indptr)
+            self._packed = (ids, torch.cat(self.slots).to(device, torch.int32), indptr)
         return self._packed
+
+
+ALL_LAYERS = -1   # IndexCache key of an all-layer index (pooled path)
+
+
+def unit_min(cfg: SparseKVConfig) -> int:
+    return cfg.chunk_min if cfg.method == "lychee" else cfg.page_size
+
+
+def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int, pooled: bool,
+                    summary_bytes: int = 2) -> int:
+    """Device memory the manager needs per KV slot (unit summaries, and the index pools when pooled)."""
+    layers = max(0, num_layers - cfg.dense_layers)
+    vecs = 1 if cfg.method == "lychee" else 2
+    per = layers * num_kv_heads * vecs * head_dim * summary_bytes / unit_min(cfg)
+    if pooled:
+        per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim) / (1 << 20)
+    return int(per * 1.01) + 1   # 1% for the few fixed rows the capacities add
 
 
 class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
-                 summary_dtype: torch.dtype = torch.float32):
+                 summary_dtype: torch.dtype = torch.float32, use_pools: bool = False):
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
@@ -82,8 +112,15 @@ class SparseKVManager:
         else:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         vecs = 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
-        self.store = UnitStore(num_slots, max(0, num_layers - cfg.dense_layers), num_kv_heads, head_dim,
-                               vecs, self.device, dtype=summary_dtype)
+        sparse_layers = max(0, num_layers - cfg.dense_layers)
+        self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs, self.device,
+                               capacity=num_slots // unit_min(cfg) + 64 if use_pools else 1024,
+                               dtype=summary_dtype)
+        self.pools = None
+        if use_pools:
+            assert cfg.method == "lychee", "the pooled path serves lychee"
+            self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
+                                    self.device)
         self.states: dict[int, RequestState] = {}
         self.index_cache = IndexCache(self.store)
         self._lock = threading.Lock()
@@ -91,7 +128,8 @@ class SparseKVManager:
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
-                      "attended_tokens": 0, "context_tokens": 0}
+                      "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
+                      "decode_prepare_s": 0.0, "index_build_s": 0.0}
 
     # ------------------------------------------------------------------ frees (any thread)
     def request_freed(self, req_pool_idx: int) -> None:
@@ -100,7 +138,7 @@ class SparseKVManager:
 
     def slots_freed(self, slots: torch.Tensor) -> None:
         with self._lock:
-            self._freed_slots.append(slots.detach().to(self.device, torch.int64).clone())
+            self._freed_slots.append(slots.detach().to("cpu", torch.int64).clone())
 
     def cache_cleared(self) -> None:
         with self._lock:
@@ -122,6 +160,10 @@ class SparseKVManager:
         if state is None:
             return
         # a finished turn leaves its (grafted) index for the next turn that extends it
+        if state.pool is not None:
+            if state.pool.M == len(state.units):
+                self.index_cache.put(state.units, self._lengths(state), {ALL_LAYERS: self.pools.export(state.pool)})
+            self.pools.free(state.pool)
         if state.index:
             for l, index in state.index.items():
                 self._graft_missing(index, l, state)
@@ -132,7 +174,7 @@ class SparseKVManager:
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
                        req_to_token: torch.Tensor, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
         self._apply_frees()
-        self.store.slot_token[out_cache_loc.to(torch.int64)] = input_ids.to(self.device, torch.int32)
+        self.store.set_tokens(out_cache_loc, input_ids)
         plan = PoolPlan()
         for idx, prefix, seq in zip(req_pool_indices, prefix_lens, seq_lens):
             state = self.states.get(idx)
@@ -147,7 +189,7 @@ class SparseKVManager:
     def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                        input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
         self._apply_frees()
-        self.store.slot_token[out_cache_loc.to(torch.int64)] = input_ids.to(self.device, torch.int32)
+        self.store.set_tokens(out_cache_loc, input_ids)
         plan = PoolPlan()
         for idx, seq in zip(req_pool_indices, seq_lens):
             state = self.states.get(idx)
@@ -160,7 +202,7 @@ class SparseKVManager:
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         for uid in self.store.chain(slots, self.chunker.lookahead):
             state.units.append(uid)
-            state.starts.append(int(self.store.unit_start[uid]))
+            state.starts.append(int(self.store.unit_start[uid]))   # host tensors: no device sync
             state.ends.append(int(self.store.unit_end[uid]))
 
     def _cut(self, state: RequestState, row: torch.Tensor, seq_len: int, plan: PoolPlan) -> None:
@@ -169,7 +211,7 @@ class SparseKVManager:
         state.seq_len = seq_len
         if seq_len - start < self.chunker.lookahead:
             return
-        slots = row[start:seq_len].to(torch.int64)
+        slots = row[start:seq_len].to("cpu", torch.int64)
         prev = 0
         for end in self.chunker.cuts(self.store.slot_token[slots]).tolist():
             key_slot = int(slots[prev + self.chunker.lookahead - 1])  # last token the cut depended on
@@ -180,6 +222,76 @@ class SparseKVManager:
             state.starts.append(start + prev)
             state.ends.append(start + end)
             prev = end
+
+    # ------------------------------------------------------------------ pooled decode (GPU)
+    def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
+                              input_ids: torch.Tensor, out_cache_loc: torch.Tensor, k_buffers) -> list[PoolRanges | None]:
+        """Everything a decode step needs before its (graph-captured) layers run; per request its pool ranges.
+
+        k_buffers(l) -> the key buffer of model layer ``l``: new units are summarized here, for every
+        layer at once, because their tokens precede the step's token (their keys are all written).
+        """
+        plan = self.prepare_decode(req_pool_indices, seq_lens, req_to_token, input_ids, out_cache_loc)
+        if plan.unit_ids:
+            for l in range(self.cfg.dense_layers, self.num_layers):
+                self.pool_layer(l, k_buffers(l), plan)
+        states = [self.states[idx] for idx in req_pool_indices]
+        for state in states:
+            if state.pool is None and not state.pool_full and self.needs_sparse(state.seq_len) and state.units:
+                self._pool_index(state)
+        self._graft_pooled([s for s in states if s.pool is not None])
+        return [s.pool for s in states]
+
+    def _pool_index(self, state: RequestState) -> None:
+        """Bring a request's all-layer index into the pools: adopted from a shared prefix, or built."""
+        ix = None
+        found = self.index_cache.find(state.units)
+        if found is not None:
+            ix = self.index_cache.adopt(*found, ALL_LAYERS)
+        if ix is not None:
+            self.stats["index_reused"] += 1
+        else:
+            t0 = time.perf_counter()
+            Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
+            keys = self.store.summary[:, state.units, :, 0].to(torch.float32)        # [Ls, M, H, d]
+            keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
+            ix = build_index_grouped(keys, self._lengths(state), self.cfg.fine_cluster_size, self.cfg.max_coarse,
+                                     self.cfg.kmeans_iters)
+            if ix.fine_mu.is_cuda:
+                torch.cuda.synchronize()   # once per request: make the build time honest
+            self.stats["index_builds"] += 1
+            self.stats["index_build_s"] += time.perf_counter() - t0
+            self.index_cache.add(state.units, self._lengths(state), ALL_LAYERS, ix)
+        n = ix.num_chunks
+        starts = torch.tensor(state.starts[:n], dtype=torch.int32, device=self.device)
+        lengths = torch.tensor(state.ends[:n], dtype=torch.int32, device=self.device) - starts
+        state.pool = self.pools.load(ix, starts, lengths, room=max(64, n // 4))
+        if state.pool is None:
+            state.pool_full = True
+            self.stats["index_pool_full"] += 1
+
+    def _graft_pooled(self, states: list[RequestState]) -> None:
+        """Graft every request's chunks that its pooled index lacks; one launch per round of one chunk each."""
+        while True:
+            jobs = []
+            for state in states:
+                if state.pool is None or state.pool.M >= len(state.units):
+                    continue
+                i = state.pool.M
+                row = self.pools.add_chunk(state.pool, state.starts[i], state.ends[i] - state.starts[i])
+                if row is None:   # no room to grow: keep the index as it is
+                    state.pool_full = True
+                    self.stats["index_pool_full"] += 1
+                    self.pools.free(state.pool)
+                    state.pool = None
+                    continue
+                jobs.append((state.units[i], state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
+                             state.pool.co, row))
+            if not jobs:
+                return
+            cols = torch.tensor(jobs, dtype=torch.int32).T.contiguous().to(self.device)
+            graft_chunks(self.pools, self.store.summary, *cols)
+            self.stats["grafts"] += len(jobs)
 
     # ------------------------------------------------------------------ per layer
     def is_sparse_layer(self, layer_id: int) -> bool:

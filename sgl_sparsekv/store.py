@@ -30,12 +30,13 @@ class UnitStore:
         self.shape = (num_kv_heads, vecs_per_unit, head_dim)
         self.num_layers = num_layers
         self.dtype = dtype
-        self.slot_token = torch.zeros(num_slots, dtype=torch.int32, device=self.device)
-        self.slot_unit = torch.full((num_slots,), -1, dtype=torch.int64, device=self.device)
+        # bookkeeping lives on the host (read element by element); only summaries live on ``device``
+        self.slot_token = torch.zeros(num_slots, dtype=torch.int32)
+        self.slot_unit = torch.full((num_slots,), -1, dtype=torch.int64)
         self.capacity = 0
-        self.unit_start = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.unit_end = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.refs = torch.empty(0, dtype=torch.int32, device=self.device)
+        self.unit_start = torch.empty(0, dtype=torch.int64)
+        self.unit_end = torch.empty(0, dtype=torch.int64)
+        self.refs = torch.empty(0, dtype=torch.int32)
         self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
         self._free: list[int] = []
         self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
@@ -47,11 +48,10 @@ class UnitStore:
         if capacity <= old:
             return
         pad = capacity - old
-        dev = self.device
-        self.unit_start = torch.cat([self.unit_start, torch.zeros(pad, dtype=torch.int64, device=dev)])
-        self.unit_end = torch.cat([self.unit_end, torch.zeros(pad, dtype=torch.int64, device=dev)])
-        self.refs = torch.cat([self.refs, torch.zeros(pad, dtype=torch.int32, device=dev)])
-        summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=dev)
+        self.unit_start = torch.cat([self.unit_start, torch.zeros(pad, dtype=torch.int64)])
+        self.unit_end = torch.cat([self.unit_end, torch.zeros(pad, dtype=torch.int64)])
+        self.refs = torch.cat([self.refs, torch.zeros(pad, dtype=torch.int32)])
+        summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=self.device)
         summary[:, :old] = self.summary
         self.summary = summary
         self._free.extend(range(capacity - 1, old - 1, -1))
@@ -98,20 +98,21 @@ class UnitStore:
         """
         found: list[int] = []
         pos, n = 0, len(slots)
-        keyed = self.slot_unit[slots].tolist() if n else []
+        keyed = self.slot_unit[slots.cpu().long()].tolist() if n else []
+        start, end = self.unit_start.tolist(), self.unit_end.tolist()
         while pos + lookahead <= n:
             uid = keyed[pos + lookahead - 1]
-            if uid < 0 or int(self.unit_start[uid]) != pos:
+            if uid < 0 or start[uid] != pos:
                 break
             found.append(uid)
-            pos = int(self.unit_end[uid])
+            pos = end[uid]
         self.retain(found)
         self.stats["units_reused"] += len(found)
         return found
 
     def retain(self, ids) -> None:
         if ids:
-            self.refs[torch.tensor(ids, device=self.device)] += 1
+            self.refs[torch.tensor(ids)] += 1
 
     def release(self, ids) -> None:
         for uid in ids:
@@ -122,12 +123,15 @@ class UnitStore:
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """KV slots went back to the allocator: drop the units keyed by them."""
-        slots = slots.to(self.device, torch.int64)
+        slots = slots.to("cpu", torch.int64)
         ids = self.slot_unit[slots]
         hit = ids >= 0
         if hit.any():
             self.slot_unit[slots[hit]] = -1
             self.release(ids[hit].tolist())
+
+    def set_tokens(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.slot_token[slots.to("cpu", torch.int64)] = token_ids.to("cpu", torch.int32)
 
     def clear(self) -> None:
         """Every slot was freed (cache flush). Units still used by live requests keep their reference."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index, cluster_counts, graft, upper_bound
+from sgl_sparsekv.index import build_index, build_index_grouped, cluster_counts, graft, upper_bound
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
 
@@ -170,3 +170,13 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     assert int(store.refs[ids[11]]) == 2  # the evicted 12-unit entry released it
     cache.clear()
     assert cache.nbytes() == 0 and all(int(store.refs[i]) == 2 for i in ids)
+
+
+def test_grouped_build_equals_one_build():
+    gen = torch.Generator().manual_seed(4)
+    keys = F.normalize(torch.randn(6, 50, 16, generator=gen), dim=-1)
+    lens = torch.randint(8, 17, (50,), generator=gen)
+    one = build_index(keys, lens, 2.0, 64, 5)
+    grouped = build_index_grouped(keys, lens, 2.0, 64, 5, max_bytes=50 * 25 * 4 * 2)   # two heads a group
+    for name, t in vars(one).items():
+        assert torch.allclose(getattr(grouped, name), t, atol=1e-6), name

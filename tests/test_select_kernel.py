@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparsekv.index import build_index
-from sgl_sparsekv.kernels.select import compact, emit_tokens, pack, select_fine
+from sgl_sparsekv.kernels.select import emit_tokens, pack, select_fine
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,9 +35,9 @@ def test_select_fine_matches_reference(G, D):
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
     coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
-    for expand, max_fine in ((1.0, None), (4.0, int(ln.max())), (1e6, None), (1e6, int(ln.max()))):
+    for expand, parts in ((1.0, 1), (4.0, 3), (1e6, 8)):
         sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln,
-                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand, max_fine=max_fine).cpu()
+                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand, parts=parts).cpu()
         for b, ix in enumerate(indexes):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max")
             got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
@@ -57,16 +57,17 @@ def test_emit_matches_reference_mask():
     rem = torch.tensor([budget - sink - recent] * bs, dtype=torch.int32, device=DEV)
     sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
     rows = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
-    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent, cap)
-    indptr, indices = compact(lens_out, windows, cap)
-    indptr, indices = indptr.cpu(), indices.cpu()
+    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent,
+                                    cap, parts=4)
+    lens_out, windows = lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
         S = int(seq[b])
         unit_sel = select_clusters(ix, q[b].view(H, G, D), budget - sink - recent, 16.0, "max").gather(1, ix.chunk_fine)
         mask = units_to_token_mask(unit_sel, starts[b], starts[b] + lens[b], S, sink, recent)
         for h in range(H):
             want = sorted(req_to_token[b + 1, :S][mask[h]].tolist())
-            got = indices[indptr[b * H + h]:indptr[b * H + h + 1]].tolist()
+            i = b * H + h
+            got = windows[i * cap:i * cap + int(lens_out[i])].tolist()
             assert len(got) == len(set(got)) and sorted(got) == want, (b, h)
 
 
@@ -80,19 +81,38 @@ def test_select_and_emit_real_shapes():
     coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, max_fine=int(ln.max()))
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
     rows = torch.arange(bs, dtype=torch.int32, device=DEV)
     lens_out, windows = emit_tokens(sel, chunk_pool, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink,
                                     recent, budget)
-    indptr, indices = compact(lens_out, windows, budget)
-    sel, indptr, indices = sel.cpu(), indptr.cpu(), indices.cpu()
+    sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
         ref = select_clusters(ix, q[b].view(H, G, D).float(), budget - sink - recent, 16.0, "max")
         assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
         for h in range(H):
-            got = indices[indptr[b * H + h]:indptr[b * H + h + 1]]
+            i = b * H + h
+            got = windows[i * budget:i * budget + int(lens_out[i])]
             assert sorted(got.tolist()) == sorted(req_to_token[b, :S][mask[h]].tolist())
+
+
+def test_emit_dense_requests_get_every_token():
+    """Rows within ``dense_limit`` attend to all their tokens, whatever the index says."""
+    gen = torch.Generator().manual_seed(9)
+    bs, H, G, D = 2, 2, 1, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [10, 12], gen)
+    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor([40, 40], dtype=torch.int32, device=DEV),
+                      16.0)
+    seq = torch.tensor([100, 150], dtype=torch.int32, device=DEV)
+    req_to_token = (torch.arange(2 * 200, dtype=torch.int32).view(2, 200) + 7).to(DEV)
+    rows = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    cap = 128
+    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, 4, 16, cap, dense_limit=cap)
+    lens_out, windows = lens_out.cpu(), windows.cpu()
+    assert lens_out.view(bs, H)[0].tolist() == [100, 100]                   # dense: everything
+    assert (lens_out.view(bs, H)[1] <= cap).all()                           # sparse: within the cap
+    assert windows[:100].tolist() == list(range(7, 107))

@@ -1,0 +1,87 @@
+"""Lychee decode on the GPU from the index pools, in static buffers that a CUDA graph captures.
+
+Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
+writes every batch row's pool ranges into fixed ``[max_bs]`` tensors. Inside the graph each sparse
+layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
+shapes fixed by the captured batch size, every list at most ``token_budget`` slots.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sgl_sparsekv.kernels.select import emit_tokens, select_fine
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
+from sgl_sparsekv.manager import SparseKVManager
+
+SPLITS = 8  # flash-decoding splits of a list
+
+
+class PooledDecode:
+    def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int = 32):
+        """``parts``: programs per (request, KV head) in selection and emission."""
+        self.manager = manager
+        self.parts = parts
+        pools, cfg = manager.pools, manager.cfg
+        self.cfg = cfg
+        dev = manager.device
+        H, d = pools.heads, pools.head_dim
+        self.H, self.cap = H, cfg.token_budget
+        self.max_bs = max_bs
+
+        def i32(n):
+            return torch.zeros(n, dtype=torch.int32, device=dev)
+
+        # per batch row: pool ranges, request row, length, budget left for retrieved units
+        self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget = (
+            i32(max_bs) for _ in range(9))
+        self.bounds = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
+        self.sel = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
+        self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
+        self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
+        self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev)
+
+    def fill_idle(self, bs: int) -> None:
+        """Safe contents for capture: every row a one-token dense request on request row 0."""
+        for t in (self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.budget):
+            t[:bs].zero_()
+        self.seq[:bs].fill_(1)
+
+    def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, input_ids, out_cache_loc,
+                k_buffers) -> None:
+        m, cfg = self.manager, self.cfg
+        t0 = time.perf_counter()
+        ranges = m.prepare_decode_pooled(rows, seq_lens, req_to_token, input_ids, out_cache_loc, k_buffers)
+        retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+        table = torch.zeros(9, padded_bs, dtype=torch.int32)
+        table[7].fill_(1)   # padding rows: one token of request row 0
+        for i, (row, S, r) in enumerate(zip(rows, seq_lens, ranges)):
+            if r is not None:
+                table[:6, i] = torch.tensor([r.co, r.P, r.fo, r.L, r.ko, r.M], dtype=torch.int32)
+            table[6, i], table[7, i], table[8, i] = row, S, retrieve
+            m.stats["context_tokens"] += S
+            m.stats["attended_tokens"] += min(S, cfg.token_budget)
+        dev = table.to(self.co.device, non_blocking=True)
+        for j, t in enumerate((self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget)):
+            t[:padded_bs].copy_(dev[j])
+        m.stats["decode_prepare_s"] += time.perf_counter() - t0
+
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
+               req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
+        bs = q.shape[0]
+        cfg, n = self.cfg, bs * self.H
+        coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
+        r = slice(0, bs)
+        sel = select_fine(q, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
+                          cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel))
+        lens, windows = emit_tokens(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
+                                    req_to_token, cfg.sink_tokens, cfg.recent_window, self.cap,
+                                    dense_limit=cfg.token_budget, max_chunk=cfg.chunk_max, parts=self.parts,
+                                    out=(self.lens[:n], self.windows[:n * self.cap], self.counts[:n * self.parts]))
+        opart, lse = self.workspace
+        ws = (opart[:opart.numel() // self.max_bs * bs], lse[:lse.numel() // self.max_bs * bs])
+        return sparse_decode_attention(q, k_buf, v_buf, self.starts[:n], windows, scale, num_splits=SPLITS,
+                                       workspace=ws, lens=lens)

@@ -1,0 +1,192 @@
+"""IndexPools: the cluster indexes of live requests, every sparse layer, in fixed device tensors.
+
+The decode kernels (``kernels/select.py``) read these pools inside a CUDA graph, so they are
+allocated once, at startup, and sized from the KV pool (see :func:`pool_capacity`; the same
+numbers are charged to SGLang's memory planning by ``patches/plugin.py``). A request owns one range
+of rows in each pool; its chunk range has room to grow, so grafting decoded chunks only writes rows.
+
+    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]  first/num [Ls, C, H] (its fine clusters' local rows)
+    fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
+    chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
+
+A ``ClusterIndex`` over all sparse layers at once (heads ``Ls * H``, layer-major) moves in and out of a
+range with :meth:`IndexPools.load` / :meth:`IndexPools.export`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.index import ClusterIndex
+from sgl_sparsekv.kernels.select import coarse_ranges
+
+
+class RangeAllocator:
+    """First-fit allocator of row ranges in ``[0, capacity)``; freed neighbours merge."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._starts = [0]
+        self._sizes = [capacity]
+
+    def alloc(self, n: int) -> int | None:
+        for i, size in enumerate(self._sizes):
+            if size >= n:
+                start = self._starts[i]
+                if size == n:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] += n
+                    self._sizes[i] -= n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        i = bisect.bisect(self._starts, start)
+        self._starts.insert(i, start)
+        self._sizes.insert(i, n)
+        if i + 1 < len(self._starts) and start + n == self._starts[i + 1]:
+            self._sizes[i] += self._sizes.pop(i + 1)
+            self._starts.pop(i + 1)
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:
+            self._sizes[i - 1] += self._sizes.pop(i)
+            self._starts.pop(i)
+
+    @property
+    def free_rows(self) -> int:
+        return sum(self._sizes)
+
+
+@dataclass
+class PoolRanges:
+    co: int
+    P: int
+    fo: int
+    L: int
+    ko: int
+    M: int        # chunks recorded
+    kcap: int     # chunk rows owned
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    coarse: int
+    fine: int
+    chunks: int
+
+    def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
+        node = heads * (head_dim * 4 + 3 * 4)              # mu, r, tok, n in fp32
+        per_layer = self.coarse * (node + heads * 8) + self.fine * (node + heads * 4) + self.chunks * heads * 4
+        return layers * per_layer + self.chunks * 8
+
+
+def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
+    """Rows that hold an index over every KV slot at once at the smallest chunk size (real chunks are longer,
+    which leaves the grafting room). Proportional to the slots, so it can be charged per KV slot."""
+    chunks = num_slots // cfg.chunk_min + 64
+    fine = math.ceil(chunks / cfg.fine_cluster_size) + 64
+    coarse = fine // 4 + 64     # P <= sqrt(L) <= L / 4 once a request has 16 fine clusters
+    return PoolCapacity(coarse, fine, chunks)
+
+
+class IndexPools:
+    def __init__(self, cap: PoolCapacity, layers: int, heads: int, head_dim: int, device):
+        def f32(*shape):
+            return torch.zeros(*shape, dtype=torch.float32, device=device)
+
+        self.layers, self.heads, self.head_dim = layers, heads, head_dim
+        self.cmu, self.cr, self.ctok, self.cn = (f32(layers, cap.coarse, heads, head_dim),
+                                                 *(f32(layers, cap.coarse, heads) for _ in range(3)))
+        self.fmu, self.fr, self.ftok, self.fn = (f32(layers, cap.fine, heads, head_dim),
+                                                 *(f32(layers, cap.fine, heads) for _ in range(3)))
+        self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
+        self.cfirst = torch.zeros(layers, cap.coarse, heads, dtype=torch.int32, device=device)
+        self.cnum = torch.zeros(layers, cap.coarse, heads, dtype=torch.int32, device=device)
+        self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
+        self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
+        self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
+        self.alloc = {"coarse": RangeAllocator(cap.coarse), "fine": RangeAllocator(cap.fine),
+                      "chunks": RangeAllocator(cap.chunks)}
+        self.capacity = cap
+
+    def layer(self, l: int):
+        """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
+        return ((self.cmu[l], self.cr[l], self.ctok[l], self.cfirst[l], self.cnum[l]),
+                (self.fmu[l], self.fr[l], self.ftok[l], self.fpar[l]),
+                (self.kfine[l], self.kstart, self.klen))
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
+        return t.view(self.layers, self.heads, *t.shape[1:]).transpose(1, 2)
+
+    def _join(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(self.layers * self.heads, *t.shape[1:2], *t.shape[3:])
+
+    def load(self, ix: ClusterIndex, starts: torch.Tensor, lengths: torch.Tensor, room: int) -> PoolRanges | None:
+        """Copy an all-layer index over chunks at ``starts``/``lengths`` into fresh ranges; None if full."""
+        P, L, M = ix.coarse_r.shape[1], ix.fine_r.shape[1], ix.num_chunks
+        rng = self._alloc(P, L, M + room)
+        if rng is None:
+            return None
+        c, f, k = slice(rng.co, rng.co + P), slice(rng.fo, rng.fo + L), slice(rng.ko, rng.ko + M)
+        first, num = coarse_ranges(ix.fine_parent, P)
+        for dst, src in ((self.cmu, ix.coarse_mu), (self.cr, ix.coarse_r), (self.ctok, ix.coarse_tokens),
+                         (self.cn, ix.coarse_n), (self.cfirst, first), (self.cnum, num)):
+            dst[:, c] = self._split(src)
+        for dst, src in ((self.fmu, ix.fine_mu), (self.fr, ix.fine_r), (self.ftok, ix.fine_tokens),
+                         (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
+            dst[:, f] = self._split(src)
+        self.kfine[:, k] = self._split(ix.chunk_fine)
+        self.kstart[k] = starts.to(torch.int32)
+        self.klen[k] = lengths.to(torch.int32)
+        rng.M = M
+        return rng
+
+    def export(self, rng: PoolRanges) -> ClusterIndex:
+        c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)
+        j = self._join
+        return ClusterIndex(fine_mu=j(self.fmu[:, f]), fine_r=j(self.fr[:, f]), fine_n=j(self.fn[:, f]),
+                            fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
+                            coarse_mu=j(self.cmu[:, c]), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
+                            coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
+
+    def add_chunk(self, rng: PoolRanges, start: int, length: int) -> int | None:
+        """Reserve the next chunk row of a range (moving it to a bigger range when full); None if full."""
+        if rng.M == rng.kcap:
+            new = self.alloc["chunks"].alloc(2 * rng.kcap)
+            if new is None:
+                return None
+            old = slice(rng.ko, rng.ko + rng.M)
+            dst = slice(new, new + rng.M)
+            self.kfine[:, dst] = self.kfine[:, old]
+            self.kstart[dst] = self.kstart[old]
+            self.klen[dst] = self.klen[old]
+            self.alloc["chunks"].free(rng.ko, rng.kcap)
+            rng.ko, rng.kcap = new, 2 * rng.kcap
+        row = rng.ko + rng.M
+        self.kstart[row] = start
+        self.klen[row] = length
+        rng.M += 1
+        return row
+
+    def _alloc(self, P: int, L: int, K: int) -> PoolRanges | None:
+        got = []
+        for kind, n in (("coarse", P), ("fine", L), ("chunks", K)):
+            start = self.alloc[kind].alloc(n)
+            if start is None:
+                for (k, s, m) in got:
+                    self.alloc[k].free(s, m)
+                return None
+            got.append((kind, start, n))
+        (_, co, _), (_, fo, _), (_, ko, _) = got
+        return PoolRanges(co, P, fo, L, ko, 0, K)
+
+    def free(self, rng: PoolRanges) -> None:
+        self.alloc["coarse"].free(rng.co, rng.P)
+        self.alloc["fine"].free(rng.fo, rng.L)
+        self.alloc["chunks"].free(rng.ko, rng.kcap)

@@ -1,0 +1,237 @@
+"""The pooled GPU decode path (index pools + Triton select/emit/graft/attend) against the torch reference.
+
+A reference manager and a pooled manager watch the same SGLang radix world (real RadixCache,
+allocator and request pool); every batched decode step must give each (request, layer, KV head)
+the same token list and the same attention output.
+"""
+
+import random
+
+import pytest
+import torch
+
+from sgl_sparsekv.attend import sparse_decode
+from sgl_sparsekv.index import build_index, graft
+from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
+from sgl_sparsekv.kernels.graft import graft_chunks
+from sgl_sparsekv.manager import SparseKVManager
+from sgl_sparsekv.patches.backend import watch_frees
+from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
+
+G = 3
+
+
+def test_range_allocator_first_fit_and_merge():
+    a = RangeAllocator(100)
+    x, y, z = a.alloc(30), a.alloc(30), a.alloc(30)
+    assert (x, y, z) == (0, 30, 60) and a.alloc(20) is None
+    a.free(y, 30)
+    assert a.alloc(31) is None and a.alloc(10) == 30
+    a.free(30, 10)
+    a.free(x, 30)
+    a.free(z, 30)
+    assert a.free_rows == 100 and a.alloc(100) == 0
+
+
+def test_pool_roundtrip_and_graft_kernel_matches_twin():
+    """load -> export is lossless; the graft kernel equals index.graft on every layer and head."""
+    gen = torch.Generator().manual_seed(1)
+    Ls, M, d = 2, 40, 16
+    keys = torch.nn.functional.normalize(torch.randn(Ls * H, M, d, generator=gen), dim=-1)
+    lengths = torch.randint(8, 17, (M,), generator=gen)
+    ix = build_index(keys, lengths, 2.0, 64, 5)
+    pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, H, d, "cpu")
+    pools.load(ix, torch.zeros(M, dtype=torch.int32), torch.ones(M, dtype=torch.int32), 4)  # someone else's rows
+    starts = torch.cumsum(lengths, 0) - lengths
+    rng = pools.load(ix, starts, lengths, room=2)
+    back = pools.export(rng)
+    for name, t in vars(ix).items():
+        assert torch.equal(getattr(back, name).to(t.dtype), t), name
+
+    # three new chunks; the third moves the request's chunk rows to a bigger range
+    summary = torch.nn.functional.normalize(torch.randn(Ls, 5, H, 1, d, generator=gen), dim=-1)
+    ref = ix.clone()
+    for uid, length in ((3, 9), (1, 16), (4, 12)):
+        row = pools.add_chunk(rng, 500 + uid, length)
+        graft(ref, summary[:, uid, :, 0].reshape(Ls * H, d), length)
+        cols = torch.tensor([[uid, length, rng.fo, rng.L, rng.co, row]], dtype=torch.int32).T.contiguous()
+        graft_chunks(pools, summary, *cols)
+    got = pools.export(rng)
+    assert rng.kcap == 2 * (M + 2) and rng.M == M + 3
+    for name, t in vars(ref).items():
+        assert torch.allclose(getattr(got, name).to(t.dtype), t, atol=1e-5), name
+    assert pools.klen[rng.ko + M:rng.ko + M + 3].tolist() == [9, 16, 12]
+
+
+class TwinWorld(World):
+    def __init__(self, seed):
+        super().__init__("lychee", seed)
+        self.pooled = SparseKVManager(self.cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table(),
+                                      use_pools=True)
+        watch_frees(self.pooled, self.req_pool, self.alloc)
+        self.decoder = PooledDecode(self.pooled, max_bs=8, q_heads=H * G, parts=2)
+        self.v = torch.randn(self.k.shape, generator=torch.Generator().manual_seed(seed))
+        self.qgen = torch.Generator().manual_seed(seed + 1)
+        self.lists_checked = 0
+
+    def forward_extend(self, req, start, end):
+        super().forward_extend(req, start, end)
+        row = req.req_pool_idx
+        slots = self.req_pool.req_to_token[row, start:end].long()
+        toks = torch.tensor(req.tokens[start:end])
+        plan = self.pooled.prepare_extend([row], [start], [end], self.req_pool.req_to_token, toks, slots)
+        for l in range(LAYERS):
+            self.pooled.pool_layer(l, self.k[l], plan)
+
+    def decode_batch(self, reqs):
+        rows, seqs, toks, slots = [], [], [], []
+        for req in reqs:
+            row, pos = req.req_pool_idx, len(req.tokens)
+            tok = self.rng.randrange(64)
+            req.tokens.append(tok)
+            slot = self.take_slots(1)
+            self.req_pool.req_to_token[row, pos] = int(slot[0])
+            self.write_kv(slot, torch.tensor([tok]), torch.tensor([pos]))
+            rows.append(row); seqs.append(pos + 1); toks.append(tok); slots.append(int(slot[0]))
+        toks, slots = torch.tensor(toks), torch.tensor(slots)
+        r2t = self.req_pool.req_to_token
+        plan = self.manager.prepare_decode(rows, seqs, r2t, toks, slots)
+        for l in range(LAYERS):
+            self.manager.pool_layer(l, self.k[l], plan)
+        padded = len(rows) + 1   # one padding row, as a captured batch size would add
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, slots, lambda l: self.k[l])
+        cap, scale = self.cfg.token_budget, D ** -0.5
+        for l in range(self.cfg.dense_layers, LAYERS):
+            q = torch.randn(padded, H * G, D, generator=self.qgen)
+            out = self.decoder.attend(q, self.k[l], self.v[l], l - self.cfg.dense_layers, r2t, scale)
+            for i, (row, S) in enumerate(zip(rows, seqs)):
+                mask = self.manager.select(l, row, q[i].view(H, G, D))
+                if mask is None:
+                    mask = torch.ones(H, S, dtype=torch.bool)
+                for h in range(H):
+                    j = i * H + h
+                    got = self.decoder.windows[j * cap:j * cap + int(self.decoder.lens[j])].tolist()
+                    want = r2t[row, :S][mask[h]].tolist()
+                    assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
+                    self.lists_checked += 1
+                ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, scale)
+                assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pooled_decode_equals_reference_under_radix_history(seed):
+    w = TwinWorld(seed)
+    w.rng = random.Random(seed)
+    for step in range(14):
+        r = w.rng.random()
+        if (r < 0.4 and len(w.live) < 3) or not w.live:
+            w.start()
+        elif r < 0.85:
+            for _ in range(w.rng.randrange(1, 12)):
+                w.decode_batch(list(w.live))
+        else:
+            w.finish(w.rng.choice(w.live), abort=w.rng.random() < 0.3)
+    for _ in range(6):
+        w.decode_batch(list(w.live))
+    st = w.pooled.stats
+    assert st["index_builds"] + st["index_reused"] > 0 and st["grafts"] > 0 and st["index_pool_full"] == 0
+    assert w.lists_checked > 200
+    # every live request's pooled index equals the reference's, layer by layer
+    for req in w.live:
+        ps, rs = w.pooled.states[req.req_pool_idx], w.manager.states[req.req_pool_idx]
+        if ps.pool is None:
+            continue
+        got = w.pooled.pools.export(ps.pool)
+        for l, ix in rs.index.items():
+            heads = slice(l * H, (l + 1) * H)
+            assert torch.equal(got.chunk_fine[heads], ix.chunk_fine)
+            assert torch.allclose(got.fine_mu[heads], ix.fine_mu, atol=1e-5)
+    # finishing everything returns every pool row
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+    assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+
+
+@pytest.mark.gpu
+def test_pooled_decode_real_shapes_and_cuda_graph_replay():
+    """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
+    CUDA graph; every replay (with lengths, units and grafts changing) equals the torch reference."""
+    from sgl_sparsekv.config import SparseKVConfig
+
+    dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed"})
+    lens = [20_000, 9_000, 31_000]
+    slots = sum(lens) + 4096
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
+    v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
+    r2t = torch.zeros(4, 40_000, dtype=torch.int32, device=dev)
+    ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
+    pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_pools=True)
+    rows, nxt = [1, 2, 3], 1
+    for row, n in zip(rows, lens):
+        r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
+        nxt += n
+        ids = torch.randint(0, 1000, (n,), device=dev)
+        for m in (ref, pooled):
+            plan = m.prepare_extend([row], [0], [n], r2t, ids, r2t[row, :n])
+            for l in range(layers):
+                m.pool_layer(l, k[l], plan)
+    dec = PooledDecode(pooled, max_bs=4, q_heads=Hk * Gq)
+    q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
+    outs = [torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16) for _ in range(1, layers)]
+    seqs = list(lens)
+
+    def step(capture=None):
+        for i in range(3):
+            r2t[rows[i], seqs[i]] = nxt + i
+            seqs[i] += 1
+        toks = torch.randint(0, 1000, (3,), device=dev)
+        locs = torch.tensor([nxt + i for i in range(3)], device=dev)
+        plan = ref.prepare_decode(rows, seqs, r2t, toks, locs)
+        for l in range(layers):
+            ref.pool_layer(l, k[l], plan)
+        dec.prepare(rows, seqs, 4, r2t, toks, locs, lambda l: k[l])
+        q.copy_(torch.randn(q.shape, device=dev, generator=gen))
+
+    def run_layers():
+        for l in range(1, layers):
+            outs[l - 1].copy_(dec.attend(q, k[l], v[l], l - 1, r2t, d ** -0.5))
+
+    step()
+    run_layers()                                 # warm up (Triton compiles) outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_layers()
+    for it in range(40):
+        nxt += 3
+        step()
+        graph.replay()
+        torch.cuda.synchronize()
+        for l in range(1, layers):
+            for i, row in enumerate(rows):
+                mask = ref.select(l, row, q[i].view(Hk, Gq, d).float())
+                want = sparse_decode(q[i], k[l], v[l], r2t[row, :seqs[i]], mask, d ** -0.5)
+                assert torch.allclose(outs[l - 1][i].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l, row)
+    assert pooled.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
+
+
+def test_memory_charged_to_sglang_matches_what_is_allocated():
+    """bytes_per_token (added to SGLang's per-token KV cost) covers the pools and summaries really allocated."""
+    from sgl_sparsekv.config import SparseKVConfig
+    from sgl_sparsekv.index_pool import pool_capacity
+    from sgl_sparsekv.manager import bytes_per_token
+
+    cfg = SparseKVConfig.from_method("lychee", {"dense_layers": 1})
+    slots = 1 << 18
+    m = SparseKVManager(cfg, LAYERS, H, D, slots, boundary_table=synthetic_table(), summary_dtype=torch.bfloat16,
+                        use_pools=True)
+    pools = m.pools
+    allocated = sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
+    assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D)
+    summaries = m.store.summary.numel() * m.store.summary.element_size()
+    charged = bytes_per_token(cfg, LAYERS, H, D, pooled=True) * slots
+    assert allocated + summaries <= charged <= 1.03 * (allocated + summaries)
+    assert bytes_per_token(cfg, LAYERS, H, D, pooled=False) < bytes_per_token(cfg, LAYERS, H, D, pooled=True)
