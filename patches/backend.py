@@ -119,8 +119,9 @@ class SparseKVAttnBackend(AttentionBackend):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         bs = forward_batch.batch_size
         if in_capture:
-            self.active = self.pooled
-            self.pooled.fill_idle(bs)
+            if self.pooled is not None:   # the reference path never runs in a graph (checks.py refuses it)
+                self.active = self.pooled
+                self.pooled.fill_idle(bs)
         else:
             self._prepare(forward_batch, bs - (getattr(forward_batch, "num_padding", 0) or 0), padded_bs=bs)
 
