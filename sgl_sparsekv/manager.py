@@ -22,6 +22,7 @@ the forward pass).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class PoolPlan:
 
 
 ALL_LAYERS = -1   # IndexCache key of an all-layer index (pooled path)
+logger = logging.getLogger("sgl_sparsekv")
 
 
 def unit_min(cfg: SparseKVConfig) -> int:
@@ -267,8 +269,14 @@ class SparseKVManager:
         lengths = torch.tensor(state.ends[:n], dtype=torch.int32, device=self.device) - starts
         state.pool = self.pools.load(ix, starts, lengths, room=max(64, n // 4))
         if state.pool is None:
-            state.pool_full = True
-            self.stats["index_pool_full"] += 1
+            self._pool_full(state)
+
+    def _pool_full(self, state: RequestState) -> None:
+        state.pool_full = True
+        if not self.stats["index_pool_full"]:
+            logger.warning("sparse-kv: index pools are full; requests without room decode on their sink and "
+                           "recent window only (counted in index_pool_full)")
+        self.stats["index_pool_full"] += 1
 
     def _graft_pooled(self, states: list[RequestState]) -> None:
         """Graft every request's chunks that its pooled index lacks; one launch per round of one chunk each."""
@@ -279,9 +287,8 @@ class SparseKVManager:
                     continue
                 i = state.pool.M
                 row = self.pools.add_chunk(state.pool, state.starts[i], state.ends[i] - state.starts[i])
-                if row is None:   # no room to grow: keep the index as it is
-                    state.pool_full = True
-                    self.stats["index_pool_full"] += 1
+                if row is None:   # no room to grow: the request falls back to its sink and recent window
+                    self._pool_full(state)
                     self.pools.free(state.pool)
                     state.pool = None
                     continue
