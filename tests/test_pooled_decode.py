@@ -84,6 +84,23 @@ class TwinWorld(World):
         for l in range(LAYERS):
             self.pooled.pool_layer(l, self.k[l], plan)
 
+    def decode_batch_unchecked(self, reqs):
+        """One decode step of ``reqs`` through the pooled path only (no comparison): fills the decoder's windows."""
+        rows, seqs, toks, slots = [], [], [], []
+        for req in reqs:
+            row, pos = req.req_pool_idx, len(req.tokens)
+            tok = self.rng.randrange(64)
+            req.tokens.append(tok)
+            slot = self.take_slots(1)
+            self.req_pool.req_to_token[row, pos] = int(slot[0])
+            self.write_kv(slot, torch.tensor([tok]), torch.tensor([pos]))
+            rows.append(row); seqs.append(pos + 1); toks.append(tok); slots.append(int(slot[0]))
+        toks, slots = torch.tensor(toks), torch.tensor(slots)
+        r2t = self.req_pool.req_to_token
+        self.decoder.prepare(rows, seqs, len(rows), r2t, toks, slots, lambda l: self.k[l])
+        q = torch.randn(len(rows), H * G, D, generator=self.qgen)
+        self.decoder.attend(q, self.k[1], self.v[1], 0, r2t, D ** -0.5)
+
     def decode_batch(self, reqs):
         rows, seqs, toks, slots = [], [], [], []
         for req in reqs:
@@ -235,3 +252,32 @@ def test_memory_charged_to_sglang_matches_what_is_allocated():
     charged = bytes_per_token(cfg, LAYERS, H, D, pooled=True) * slots
     assert allocated + summaries <= charged <= 1.03 * (allocated + summaries)
     assert bytes_per_token(cfg, LAYERS, H, D, pooled=False) < bytes_per_token(cfg, LAYERS, H, D, pooled=True)
+
+
+def test_full_pools_fall_back_to_sink_and_recent_window(monkeypatch):
+    """No room in the pools: requests still decode (on their sink and recent window), nothing crashes or leaks."""
+    monkeypatch.setattr("sgl_sparsekv.manager.pool_capacity", lambda cfg, n: PoolCapacity(coarse=4, fine=8, chunks=24))
+    w = TwinWorld(7)
+    w.rng = random.Random(7)
+    while len(w.live) < 2:
+        w.start()
+    cfg, r2t = w.cfg, w.req_pool.req_to_token
+    for _ in range(20):
+        reqs = list(w.live)
+        w.decode_batch_unchecked(reqs)
+        for i, req in enumerate(reqs):
+            S = len(req.tokens)
+            st = w.pooled.states[req.req_pool_idx]
+            for h in range(H):
+                j = i * H + h
+                got = w.decoder.windows[j * cfg.token_budget:j * cfg.token_budget + int(w.decoder.lens[j])].tolist()
+                if S <= cfg.token_budget:
+                    assert sorted(got) == sorted(r2t[req.req_pool_idx, :S].tolist())
+                elif st.pool_full:
+                    keep = list(range(cfg.sink_tokens)) + list(range(S - cfg.recent_window, S))
+                    assert sorted(got) == sorted(r2t[req.req_pool_idx, keep].tolist())
+    assert w.pooled.stats["index_pool_full"] > 0
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    w.pooled.prepare_extend([], [], [], r2t, torch.zeros(0), torch.zeros(0))
+    assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
