@@ -110,6 +110,7 @@ def main():
     for name, fn in (("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
+                     ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h200.json", serving_table),
                      ("kernels_h200.json", kernels_table)):
         p = RESULTS / name
