@@ -45,7 +45,8 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
     if getattr(sa, "is_embedding", False):
         bad("--is-embedding", "has no decode phase to sparsify")
     graphs = getattr(sa, "cuda_graph_config", None)
-    if getattr(sa, "device", None) != "cpu" and graphs is not None and getattr(graphs.prefill, "backend", "disabled") != "disabled":
+    prefill_graphs = graphs is not None and getattr(graphs.prefill, "backend", "disabled") != "disabled"
+    if getattr(sa, "device", None) != "cpu" and prefill_graphs:
         bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
             "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
     check_model(_hf_config(sa), cfg)

@@ -90,12 +90,15 @@ def unit_min(cfg: SparseKVConfig) -> int:
     return cfg.chunk_min if cfg.method == "lychee" else cfg.page_size
 
 
+def vecs_per_unit(cfg: SparseKVConfig) -> int:
+    return 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
+
+
 def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int, pooled: bool,
                     summary_bytes: int = 2) -> int:
     """Device memory the manager needs per KV slot (unit summaries, and the index pools when pooled)."""
     layers = max(0, num_layers - cfg.dense_layers)
-    vecs = 1 if cfg.method == "lychee" else 2
-    per = layers * num_kv_heads * vecs * head_dim * summary_bytes / unit_min(cfg)
+    per = layers * num_kv_heads * vecs_per_unit(cfg) * head_dim * summary_bytes / unit_min(cfg)
     if pooled:
         per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim) / (1 << 20)
     return int(per * 1.01) + 1   # 1% for the few fixed rows the capacities add
@@ -113,9 +116,8 @@ class SparseKVManager:
             self.chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, boundary_table)
         else:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
-        vecs = 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
         sparse_layers = max(0, num_layers - cfg.dense_layers)
-        self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs, self.device,
+        self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
                                capacity=num_slots // unit_min(cfg) + 64 if use_pools else 1024,
                                dtype=summary_dtype)
         self.pools = None
@@ -247,6 +249,7 @@ class SparseKVManager:
     def _pool_index(self, state: RequestState) -> None:
         """Bring a request's all-layer index into the pools: adopted from a shared prefix, or built."""
         ix = None
+        lengths = self._lengths(state)
         found = self.index_cache.find(state.units)
         if found is not None:
             ix = self.index_cache.adopt(*found, ALL_LAYERS)
@@ -257,17 +260,16 @@ class SparseKVManager:
             Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
             keys = self.store.summary[:, state.units, :, 0].to(torch.float32)        # [Ls, M, H, d]
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
-            ix = build_index_grouped(keys, self._lengths(state), self.cfg.fine_cluster_size, self.cfg.max_coarse,
+            ix = build_index_grouped(keys, lengths, self.cfg.fine_cluster_size, self.cfg.max_coarse,
                                      self.cfg.kmeans_iters)
             if ix.fine_mu.is_cuda:
                 torch.cuda.synchronize()   # once per request: make the build time honest
             self.stats["index_builds"] += 1
             self.stats["index_build_s"] += time.perf_counter() - t0
-            self.index_cache.add(state.units, self._lengths(state), ALL_LAYERS, ix)
+            self.index_cache.add(state.units, lengths, ALL_LAYERS, ix)
         n = ix.num_chunks
         starts = torch.tensor(state.starts[:n], dtype=torch.int32, device=self.device)
-        lengths = torch.tensor(state.ends[:n], dtype=torch.int32, device=self.device) - starts
-        state.pool = self.pools.load(ix, starts, lengths, room=max(64, n // 4))
+        state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))
         if state.pool is None:
             self._pool_full(state)
 

@@ -84,8 +84,8 @@ class TwinWorld(World):
         for l in range(LAYERS):
             self.pooled.pool_layer(l, self.k[l], plan)
 
-    def decode_batch_unchecked(self, reqs):
-        """One decode step of ``reqs`` through the pooled path only (no comparison): fills the decoder's windows."""
+    def append_tokens(self, reqs):
+        """Each request samples one token: its KV is written. -> (rows, lengths, token ids, KV slots)."""
         rows, seqs, toks, slots = [], [], [], []
         for req in reqs:
             row, pos = req.req_pool_idx, len(req.tokens)
@@ -96,22 +96,18 @@ class TwinWorld(World):
             self.write_kv(slot, torch.tensor([tok]), torch.tensor([pos]))
             rows.append(row); seqs.append(pos + 1); toks.append(tok); slots.append(int(slot[0]))
         toks, slots = torch.tensor(toks), torch.tensor(slots)
+        return rows, seqs, toks, slots
+
+    def decode_batch_unchecked(self, reqs):
+        """One decode step of ``reqs`` through the pooled path only (no comparison): fills the decoder's windows."""
+        rows, seqs, toks, slots = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         self.decoder.prepare(rows, seqs, len(rows), r2t, toks, slots, lambda l: self.k[l])
         q = torch.randn(len(rows), H * G, D, generator=self.qgen)
         self.decoder.attend(q, self.k[1], self.v[1], 0, r2t, D ** -0.5)
 
     def decode_batch(self, reqs):
-        rows, seqs, toks, slots = [], [], [], []
-        for req in reqs:
-            row, pos = req.req_pool_idx, len(req.tokens)
-            tok = self.rng.randrange(64)
-            req.tokens.append(tok)
-            slot = self.take_slots(1)
-            self.req_pool.req_to_token[row, pos] = int(slot[0])
-            self.write_kv(slot, torch.tensor([tok]), torch.tensor([pos]))
-            rows.append(row); seqs.append(pos + 1); toks.append(tok); slots.append(int(slot[0]))
-        toks, slots = torch.tensor(toks), torch.tensor(slots)
+        rows, seqs, toks, slots = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         plan = self.manager.prepare_decode(rows, seqs, r2t, toks, slots)
         for l in range(LAYERS):
