@@ -8,7 +8,10 @@ instance:
   - greedy tokens for a prompt within the budget (must equal dense) and one past it (reported);
   - TPOT at batch 1 per context length: a random-id prompt is prefilled and cached first, then the time of a
     2-token request is subtracted from that of a (2 + n)-token request on the cached prompt, over n tokens;
-  - bench_serving at 32K input with concurrency, counting errors.
+  - bench_serving workloads (``--workloads``), counting errors: ``random`` (32K random ids, ``--prompts`` at
+    ``--concurrency``), ``random64`` (64 prompts at concurrency 16) and ``shared`` (2 groups x 16 requests over
+    a 32K shared prefix, 256-token questions, 512 out, concurrency 16);
+  - the plugin's counters after the workloads (index pool fill, dense fallbacks).
 Ratios are lychee over dense, from the same run on the same device.
 """
 
@@ -29,18 +32,33 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--attention-backend", "flashinfer", "--mem-fraction-static", "0.8", "--max-running-requests", "16",
           "--cuda-graph-max-bs", "16", "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
+DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "index_pool_full", "dense_fallback_steps",
+          "decode_prepare_s", "index_build_s")
 
 
-def serve_bench(srv: Server, input_len: int, output_len: int, prompts: int, concurrency: int, out_file: str) -> dict:
-    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port),
-           "--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
-           str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts), "--max-concurrency",
-           str(concurrency), "--output-file", out_file]
+def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
+    return ["--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
+            str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
+
+
+SHARED_PREFIX = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "16",
+                 "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len", "512"]
+
+
+def serve_bench(srv: Server, dataset: list[str], concurrency: int, out_file: str) -> dict:
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port), *dataset,
+           "--max-concurrency", str(concurrency), "--output-file", out_file]
+    before = srv.stats()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(p.stdout[-1500:], p.stderr[-1500:], flush=True)
     with open(out_file) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {k: rows[-1].get(k) for k in KEEP}
+    out = {k: rows[-1].get(k) for k in KEEP}
+    out["errors"] = rows[-1].get("num_prompts", 0) - (out["completed"] or 0) if "num_prompts" in rows[-1] else None
+    after = srv.stats()
+    out["plugin"] = {k: after[k] - before.get(k, 0) for k in DELTAS if k in after}
+    out["index_pools_after"] = after.get("index_pools")
+    return out
 
 
 def greedy(srv: Server, ids: list[int], n: int) -> list[int]:
@@ -69,9 +87,13 @@ def measure(srv: Server, a, name: str) -> dict:
     for ctx in a.contexts:
         out["tpot_bs1"][ctx] = tpot_ms(srv, ctx, a.output_len)
         print(name, ctx, out["tpot_bs1"][ctx], flush=True)
-    if a.prompts:
-        out["serving_32k"] = serve_bench(srv, 32768, a.output_len, a.prompts, a.concurrency,
-                                         f"{a.out}.{name}.serving.jsonl")
+    workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.concurrency),
+                 "random64": (random_ids(32768, a.output_len, 64), 16),
+                 "shared": (SHARED_PREFIX, 16)}
+    for w in a.workloads:
+        dataset, conc = workloads[w]
+        out[w] = serve_bench(srv, dataset, conc, f"{a.out}.{name}.{w}.jsonl")
+        print(name, w, out[w], flush=True)
     out["stats"] = srv.stats()
     return out
 
@@ -81,7 +103,9 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--methods", nargs="+", default=["dense", "lychee"])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 126976])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 126976])
+    ap.add_argument("--workloads", nargs="*", default=["random", "random64", "shared"],
+                    choices=["random", "random64", "shared"])
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)

@@ -19,7 +19,7 @@ import triton.language as tl
 def _bounds_kernel(Q, Mu, R, NNodes, UB, stride_qb, stride_qh, stride_mb, stride_mh, stride_mn,
                    stride_rb, stride_rh, N, H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)

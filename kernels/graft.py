@@ -20,8 +20,9 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
                   FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
-    job = tl.program_id(0)
-    lh = tl.program_id(1)
+    # int64 from the start: layer * stride passes 2**31 elements once the unit store is a few GB
+    job = tl.program_id(0).to(tl.int64)
+    lh = tl.program_id(1).to(tl.int64)
     layer = lh // H
     h = lh % H
     offs_d = tl.arange(0, BLOCK_D)

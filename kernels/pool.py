@@ -18,8 +18,8 @@ from sgl_sparsekv.summary import summarize_units
 @triton.jit
 def _pool_kernel(K, Slots, Indptr, Out, stride_kn, stride_kh, H: tl.constexpr, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, MINMAX: tl.constexpr):
-    u = tl.program_id(0)
-    h = tl.program_id(1)
+    u = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     start = tl.load(Indptr + u)
     end = tl.load(Indptr + u + 1)
     offs_d = tl.arange(0, BLOCK_D)

@@ -56,15 +56,15 @@ def _fine_bounds_kernel(Q, CMu, CR, CTok, CFirst, CNum, FMu, FR, FPar, Co, Pn, F
                         expand, stride_qb, stride_qh, stride_cm, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h, q = _group_query(Q, pid, stride_qb, stride_qh, H, G, BLOCK_G, D, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     budget = tl.load(Budget + b).to(tl.float32)
-    co = tl.load(Co + b)
+    co = tl.load(Co + b).to(tl.int64)
     P = tl.load(Pn + b)
-    fo = tl.load(Fo + b)
+    fo = tl.load(Fo + b).to(tl.int64)
     L = tl.load(Ln + b)
 
     # coarse expansion (P <= BLOCK_P), recomputed by every part: tokens of the units ranked before each
@@ -111,12 +111,12 @@ def _fine_bounds_kernel(Q, CMu, CR, CTok, CFirst, CNum, FMu, FR, FPar, Co, Pn, F
 @triton.jit
 def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Runs, Sel, H: tl.constexpr, BLOCK_P: tl.constexpr,
                 BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PARTS: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b = pid // H
     h = pid % H
     budget = tl.load(Budget + b).to(tl.float32)
-    fo = tl.load(Fo + b)
+    fo = tl.load(Fo + b).to(tl.int64)
     L = tl.load(Ln + b)
     runs = Runs + pid * (2 * BLOCK_P + 1)
     n_runs = tl.load(runs)
@@ -184,7 +184,7 @@ def _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H: tl.cons
     n_sink = tl.where(dense, S, tl.minimum(sink, S))
     rec_start = tl.where(dense, S, tl.maximum(n_sink, S - recent))
     M = tl.where(dense, 0, tl.load(Mn + b))
-    return b, h, tl.load(Fo + b), tl.load(Ko + b), M, S, n_sink, rec_start
+    return b, h, tl.load(Fo + b).to(tl.int64), tl.load(Ko + b).to(tl.int64), M, S, n_sink, rec_start
 
 
 @triton.jit
@@ -201,7 +201,7 @@ def _chunk_counts(Sel, CFine, CStart, CLen, fo, ko, offs, mm, h, n_sink, rec_sta
 @triton.jit
 def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, dense_limit, sink, recent,
                        H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H)
     total = 0
@@ -216,7 +216,7 @@ def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, den
 def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken, Counts, Out, Lens,
                        stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, MAXLEN: tl.constexpr, PARTS: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H)
     row = tl.load(Rows + b).to(tl.int64)

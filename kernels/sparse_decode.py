@@ -9,7 +9,9 @@ log-sum-exp. bf16/fp16 in, fp32 accumulation. Lists may differ per KV head, so h
     indices [capacity]   int32   KV slots (rows of SGLang's per-layer K/V buffers)
 
 or, for lists in fixed windows (``kernels/select.py:emit_tokens``), ``indptr[i]`` the start of list ``i``
-and ``lens[i]`` its length.
+and ``lens[i]`` its length. With ``direct`` = (flags, rows, seq_lens, req_to_token), a request whose flag
+is set attends to its whole sequence instead, read straight from its ``req_to_token`` row: the dense
+fallback of a request whose index has no room in the pools, inside the same captured launch.
 
 Capacities are fixed by the caller (budget x bs x H), so the launch has static shapes and can
 be captured in a CUDA graph.
@@ -24,18 +26,26 @@ import triton.language as tl
 
 @triton.jit
 def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
+                    Direct, Rows, SeqLen, ReqToToken, stride_rt,
                     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_LENS: tl.constexpr):
-    pid = tl.program_id(0)            # b * H + h
+                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
+                    HAS_DIRECT: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)   # b * H + h
     split = tl.program_id(1)
     b = pid // H
     h = pid % H
-    start = tl.load(Indptr + pid)
+    start = tl.load(Indptr + pid).to(tl.int64)
     if HAS_LENS:
         end = start + tl.load(Lens + pid)
     else:
-        end = tl.load(Indptr + pid + 1)
+        end = tl.load(Indptr + pid + 1).to(tl.int64)
+    src = Indices
+    if HAS_DIRECT:
+        if tl.load(Direct + b) != 0:
+            src = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_rt
+            start = start * 0
+            end = tl.load(SeqLen + b).to(tl.int64)
     per = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * per
     hi = tl.minimum(end, lo + per)
@@ -53,7 +63,7 @@ def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
     for blk in range(lo, hi, BLOCK_N):
         offs_n = blk + tl.arange(0, BLOCK_N)
         valid = offs_n < hi
-        slot = tl.load(Indices + offs_n, mask=valid, other=0).to(tl.int64)
+        slot = tl.load(src + offs_n, mask=valid, other=0).to(tl.int64)
         k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + offs_d[None, :],
                     mask=valid[:, None] & dmask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k)) * sm_scale
@@ -79,7 +89,7 @@ def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
 def _merge_kernel(OPart, LsePart, O, stride_ob, stride_oh,
                   H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
     offs_g = tl.arange(0, BLOCK_G)
@@ -105,8 +115,11 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
                             indptr: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                             out: torch.Tensor | None = None, num_splits: int = 8, block_n: int = 32,
                             workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            lens: torch.Tensor | None = None) -> torch.Tensor:
+                            lens: torch.Tensor | None = None, direct: tuple | None = None) -> torch.Tensor:
     """q [bs, Hq, d]; k/v_buffer [slots, H, d]; indptr [bs*H+1]; indices [cap] -> out [bs, Hq, d].
+
+    ``direct`` = (flags [bs] int32, rows [bs] int32, seq_lens [bs] int32, req_to_token [R, C] int32): requests
+    whose flag is set attend to ``req_to_token[row, :seq_len]`` (see the module docstring).
 
     ``workspace`` (partial outputs and log-sum-exps, see :func:`workspace_for`) can be preallocated
     once for CUDA graphs.
@@ -121,11 +134,13 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     if workspace is None:
         workspace = workspace_for(bs, H, G, D, num_splits, q.device)
     opart, lse = workspace
+    flags, rows, seq_lens, req_to_token = direct if direct is not None else (indptr, indptr, indptr, indices[None])
     _partial_kernel[(bs * H, num_splits)](
         q, k_buffer, v_buffer, indptr, indptr if lens is None else lens, indices, opart, lse, sm_scale,
+        flags, rows, seq_lens, req_to_token, req_to_token.stride(0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits,
-        HAS_LENS=lens is not None)
+        HAS_LENS=lens is not None, HAS_DIRECT=direct is not None)
     _merge_kernel[(bs * H,)](opart, lse, out, out.stride(0), out.stride(1),
                              H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, SPLITS=num_splits)
     return out
@@ -138,7 +153,7 @@ def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> t
             torch.empty(bs * H * num_splits * BLOCK_G, dtype=torch.float32, device=device))
 
 
-def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None):
+def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None, direct=None):
     """Torch twin: plain softmax attention per (request, KV head) over its slot list, in fp32."""
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]
@@ -149,6 +164,9 @@ def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale
     for b in range(bs):
         for h in range(H):
             slots = indices[ptr[b * H + h]:ends[b * H + h]].long()
+            if direct is not None and int(direct[0][b]):
+                flags, rows, seq_lens, req_to_token = direct
+                slots = req_to_token[int(rows[b]), :int(seq_lens[b])].long()
             if len(slots) == 0:
                 continue
             qh = q[b, h * G:(h + 1) * G].float()

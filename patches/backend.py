@@ -25,6 +25,7 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 from sgl_sparsekv.manager import PoolPlan, SparseKVManager
+from sgl_sparsekv.patches import surface
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -48,6 +49,8 @@ def watch_frees(manager: SparseKVManager, req_pool, allocator) -> None:
 
     Wraps the two pool instances' free/clear methods; SGLang's own classes stay untouched.
     """
+    surface.check_instance(req_pool, surface.REQ_POOL_PATCHED, "ReqToTokenPool")
+    surface.check_instance(allocator, surface.ALLOCATOR_PATCHED, "TokenToKVPoolAllocator")
     free_req, clear_req = req_pool.free, req_pool.clear
     free_slots, clear_slots = allocator.free, allocator.clear
 
@@ -82,6 +85,7 @@ class SparseKVAttnBackend(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.token_to_kv_pool = runner.token_to_kv_pool
         pool = self.token_to_kv_pool
+        surface.check_instance(pool, surface.KV_POOL_ATTRS, "KV pool")
         start = getattr(pool, "start_layer", 0) or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")
@@ -100,6 +104,7 @@ class SparseKVAttnBackend(AttentionBackend):
         if self.manager.pools is not None:
             self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
         self._last_log = 0.0
+        self.metrics = None   # PrometheusExport, set by the scheduler hook with --enable-metrics
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,
                     type(inner).__name__, cfg.to_dict())
 
@@ -147,17 +152,23 @@ class SparseKVAttnBackend(AttentionBackend):
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, forward_batch.input_ids[:bs],
                                 forward_batch.out_cache_loc[:bs], self.token_to_kv_pool.get_key_buffer)
             self.manager.stats["sparse_steps" if any(map(self.manager.needs_sparse, seq_lens)) else "dense_steps"] += 1
+            self.export_metrics()
         elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, forward_batch.input_ids,
                                                     forward_batch.out_cache_loc)
             self.decode_sparse = any(self.manager.needs_sparse(s) for s in seq_lens)
             key = "sparse_steps" if self.decode_sparse else "dense_steps"
             self.manager.stats[key] += 1
+            self.export_metrics()
         else:
             self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
                                                     req_to_token, forward_batch.input_ids,
                                                     forward_batch.out_cache_loc)
             self._maybe_log()
+
+    def export_metrics(self, force: bool = False) -> None:
+        if self.metrics is not None:
+            self.metrics.update(self.manager.snapshot_stats, force=force)
 
     def _maybe_log(self):
         now = time.monotonic()

@@ -29,9 +29,11 @@ def add_cli_args(original, parser: argparse.ArgumentParser):
 def attach(server_args, method: str, overrides) -> None:
     """Validate and store the config on ``server_args``; raises ConfigError with one line."""
     from sgl_sparsekv.patches.checks import check_server_args
+    from sgl_sparsekv.patches.surface import check_sglang
 
     cfg = SparseKVConfig.from_method(method, overrides)
     if cfg.enabled:
+        check_sglang()
         check_server_args(server_args, cfg)
     server_args.sparse_kv = cfg.method
     server_args.sparse_kv_config = cfg.to_dict()

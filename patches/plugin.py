@@ -1,7 +1,8 @@
 """Entry point (group ``sglang.srt.plugins``): registers every SGLang hook sgl-sparsekv needs.
 
 SGLang calls ``register()`` in the launcher before argument parsing, in ``Engine`` and in each
-scheduler process. With ``--sparse-kv off`` (the default) the hooks only add the flags: the
+scheduler process. The hook targets are listed in ``patches/surface.py``, which checks at startup
+that each one applied. With ``--sparse-kv off`` (the default) the hooks only add the flags: the
 attention backend, the pools and the scheduler are left exactly as they are.
 """
 
@@ -11,11 +12,10 @@ import logging
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-from sgl_sparsekv.patches import flags
+from sgl_sparsekv.config import ConfigError
+from sgl_sparsekv.patches import flags, surface
 
 logger = logging.getLogger("sgl_sparsekv")
-
-_SA = "sglang.srt.server_args.ServerArgs"
 
 
 def wrap_attention_backend(original, runner, *args, **kwargs):
@@ -26,6 +26,7 @@ def wrap_attention_backend(original, runner, *args, **kwargs):
     from sgl_sparsekv.patches.backend import SparseKVAttnBackend
     from sgl_sparsekv.patches.checks import check_runner
 
+    surface.check_instance(runner, surface.RUNNER_ATTRS, "ModelRunner")
     check_runner(runner, cfg)
     return SparseKVAttnBackend(runner, backend, cfg)
 
@@ -47,21 +48,62 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
     return cell_size + extra
 
 
+def _sparse_backend(scheduler):
+    """The scheduler's SparseKVAttnBackend, or None when sparse-kv is off."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    backend = getattr(runner, "attn_backend", None)
+    return backend if hasattr(backend, "manager") else None
+
+
 def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
-    backend = getattr(scheduler.tp_worker.model_runner, "attn_backend", None)
-    manager = getattr(backend, "manager", None)
-    if manager is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["sparse_kv_stats"] = manager.snapshot_stats()
+    backend = _sparse_backend(scheduler)
+    if backend is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["sparse_kv_stats"] = backend.manager.snapshot_stats()
     return result
 
 
+def check_scheduler(result, scheduler, *args, **kwargs):
+    """After a scheduler is built: with sparse-kv on, its model runner must decode through our backend."""
+    cfg = flags.config_of(scheduler.server_args)
+    if not cfg.enabled:
+        return result
+    from sgl_sparsekv.patches.backend import SparseKVAttnBackend
+
+    surface.check_instance(scheduler, surface.SCHEDULER_ATTRS, "Scheduler")
+    backend = getattr(scheduler.tp_worker.model_runner, "attn_backend", None)
+    if not isinstance(backend, SparseKVAttnBackend):
+        raise ConfigError(f"sparse-kv: the model runner's attention backend is {type(backend).__name__}, not the "
+                          "sparse one (SGLang no longer builds it through ModelRunner._get_attention_backend); "
+                          "refusing to start rather than serve dense")
+    if scheduler.server_args.enable_metrics:
+        from sgl_sparsekv.patches.metrics import PrometheusExport
+
+        backend.metrics = PrometheusExport({"model_name": scheduler.server_args.served_model_name,
+                                            "tp_rank": str(getattr(scheduler, "tp_rank", 0))})
+    return result
+
+
+def on_scheduler_idle(scheduler, *args, **kwargs):
+    """Before SGLang's idle housekeeping: apply the frees of the last requests, so idle state reads as idle."""
+    backend = _sparse_backend(scheduler)
+    if backend is not None and scheduler.is_fully_idle():
+        backend.manager.apply_frees()
+        backend.export_metrics(force=True)
+
+
+_HOOKS = {
+    "add_cli_args": (flags.add_cli_args, HookType.AROUND),
+    "from_cli_args": (flags.from_cli_args, HookType.AROUND),
+    "server_args_init": (flags.server_args_init, HookType.AROUND),
+    "wrap_attention_backend": (wrap_attention_backend, HookType.AROUND),
+    "charge_index_memory": (charge_index_memory, HookType.AFTER),
+    "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),
+    "check_scheduler": (check_scheduler, HookType.AFTER),
+    "on_scheduler_idle": (on_scheduler_idle, HookType.BEFORE),
+}
+
+
 def register() -> None:
-    HookRegistry.register(f"{_SA}.add_cli_args", flags.add_cli_args, HookType.AROUND)
-    HookRegistry.register(f"{_SA}.from_cli_args", flags.from_cli_args, HookType.AROUND)
-    HookRegistry.register(f"{_SA}.__init__", flags.server_args_init, HookType.AROUND)
-    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend",
-                          wrap_attention_backend, HookType.AROUND)
-    HookRegistry.register("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
-                          charge_index_memory, HookType.AFTER)
-    HookRegistry.register("sglang.srt.managers.scheduler.Scheduler.get_internal_state",
-                          add_stats_to_internal_state, HookType.AFTER)
+    for name, target in surface.HOOK_TARGETS.items():
+        hook, kind = _HOOKS[name]
+        HookRegistry.register(target, hook, kind)

@@ -3,7 +3,9 @@
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
 writes every batch row's pool ranges into fixed ``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
-shapes fixed by the captured batch size, every list at most ``token_budget`` slots.
+shapes fixed by the captured batch size, every list at most ``token_budget`` slots. A request past its
+budget whose index found no room in the pools is flagged ``direct``: the attention kernel reads its
+whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from sgl_sparsekv.kernels.select import emit_tokens, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
-from sgl_sparsekv.manager import SparseKVManager
+from sgl_sparsekv.manager import DEBUG, SparseKVManager
 
 SPLITS = 8  # flash-decoding splits of a list
 
@@ -34,9 +36,9 @@ class PooledDecode:
         def i32(n):
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        # per batch row: pool ranges, request row, length, budget left for retrieved units
-        self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget = (
-            i32(max_bs) for _ in range(9))
+        # per batch row: pool ranges, request row, length, budget left for retrieved units, dense fallback
+        self.fields = tuple(i32(max_bs) for _ in range(10))
+        self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget, self.direct = self.fields
         self.bounds = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
         self.sel = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
         self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
@@ -45,7 +47,7 @@ class PooledDecode:
 
     def fill_idle(self, bs: int) -> None:
         """Safe contents for capture: every row a one-token dense request on request row 0."""
-        for t in (self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.budget):
+        for t in self.fields:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
 
@@ -55,16 +57,22 @@ class PooledDecode:
         t0 = time.perf_counter()
         ranges = m.prepare_decode_pooled(rows, seq_lens, req_to_token, input_ids, out_cache_loc, k_buffers)
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
-        table = torch.zeros(9, padded_bs, dtype=torch.int32)
-        table[7].fill_(1)   # padding rows: one token of request row 0
+        table = [[0] * padded_bs for _ in self.fields]
+        table[7] = [1] * padded_bs   # padding rows: one token of request row 0
         for i, (row, S, r) in enumerate(zip(rows, seq_lens, ranges)):
             if r is not None:
-                table[:6, i] = torch.tensor([r.co, r.P, r.fo, r.L, r.ko, r.M], dtype=torch.int32)
-            table[6, i], table[7, i], table[8, i] = row, S, retrieve
+                for j, v in enumerate((r.co, r.P, r.fo, r.L, r.ko, r.M)):
+                    table[j][i] = v
+            direct = r is None and m.needs_sparse(S)
+            table[6][i], table[7][i], table[8][i], table[9][i] = row, S, retrieve, int(direct)
             m.stats["context_tokens"] += S
-            m.stats["attended_tokens"] += min(S, cfg.token_budget)
-        dev = table.to(self.co.device, non_blocking=True)
-        for j, t in enumerate((self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget)):
+            m.stats["attended_tokens"] += S if direct else min(S, cfg.token_budget)
+            m.stats["dense_fallback_steps"] += direct
+        if DEBUG:
+            check_table(table, len(rows), m.pools.capacity, req_to_token.shape)
+        dev = torch.tensor(table, dtype=torch.int32).pin_memory() if self.co.is_cuda else torch.tensor(table, dtype=torch.int32)
+        dev = dev.to(self.co.device, non_blocking=True)
+        for j, t in enumerate(self.fields):
             t[:padded_bs].copy_(dev[j])
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
@@ -84,4 +92,14 @@ class PooledDecode:
         opart, lse = self.workspace
         ws = (opart[:opart.numel() // self.max_bs * bs], lse[:lse.numel() // self.max_bs * bs])
         return sparse_decode_attention(q, k_buf, v_buf, self.starts[:n], windows, scale, num_splits=SPLITS,
-                                       workspace=ws, lens=lens)
+                                       workspace=ws, lens=lens,
+                                       direct=(self.direct[r], self.rows[r], self.seq[r], req_to_token))
+
+
+def check_table(table, bs: int, cap, req_to_token_shape) -> None:
+    """Debug mode: every batch row's ranges lie inside the pools, its request row and length inside req_to_token."""
+    co, pn, fo, ln, ko, mn, rows, seq, _, direct = table
+    for i in range(bs):
+        assert co[i] + pn[i] <= cap.coarse and fo[i] + ln[i] <= cap.fine and ko[i] + mn[i] <= cap.chunks, (i, table)
+        assert 0 <= rows[i] < req_to_token_shape[0] and 0 < seq[i] <= req_to_token_shape[1], (i, rows[i], seq[i])
+        assert not (direct[i] and mn[i]), ("a dense-fallback row with an index", i)

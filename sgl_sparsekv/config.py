@@ -47,13 +47,16 @@ class SparseKVConfig:
     # Coarse units are expanded in bound order until their fine clusters hold
     # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py).
     coarse_expand: float = 16.0
+    # GPU index pools hold indexes over this many times the KV slots (requests sharing a prefix
+    # share its KV but each holds its own index); charged to SGLang's memory plan per KV slot.
+    index_pool_scale: float = 2.0
     # --- quest ---
     page_size: int = 16
 
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand"),
+                   "kmeans_iters", "coarse_expand", "index_pool_scale"),
         "quest": ("page_size",),
     }
 
@@ -78,7 +81,7 @@ class SparseKVConfig:
                 name = f.type
                 raise ConfigError(f"sparse-kv config: key {f.name!r} must be {name}, got {type(v).__name__} {v!r}")
         positive = ("token_budget", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                    "kmeans_iters", "page_size", "coarse_expand")
+                    "kmeans_iters", "page_size", "coarse_expand", "index_pool_scale")
         for k in positive:
             if getattr(self, k) <= 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")

@@ -108,6 +108,13 @@ class IndexCache:
         for l, ix in indexes.items():
             self.add(units, lengths, l, ix)
 
+    def evict_lru(self) -> bool:
+        """Drop the least recently used entry (its units go back to the store unless used elsewhere)."""
+        if not self.entries:
+            return False
+        self._evict(next(iter(self.entries)))
+        return True
+
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)
         self.bytes -= sum(ix.nbytes() for ix in entry.layers.values())

@@ -35,9 +35,12 @@ class RangeAllocator:
         self._sizes = [capacity]
 
     def alloc(self, n: int) -> int | None:
+        if n <= 0:
+            raise ValueError(f"range of {n} rows")
         for i, size in enumerate(self._sizes):
             if size >= n:
                 start = self._starts[i]
+                assert 0 <= start and start + n <= self.capacity, (start, n, self.capacity)
                 if size == n:
                     del self._starts[i], self._sizes[i]
                 else:
@@ -48,6 +51,10 @@ class RangeAllocator:
 
     def free(self, start: int, n: int) -> None:
         i = bisect.bisect(self._starts, start)
+        # a double free or a range past the end would hand the same rows to two requests
+        assert 0 <= start and start + n <= self.capacity, (start, n, self.capacity)
+        assert i == 0 or self._starts[i - 1] + self._sizes[i - 1] <= start, ("overlaps a free range", start, n)
+        assert i == len(self._starts) or start + n <= self._starts[i], ("overlaps a free range", start, n)
         self._starts.insert(i, start)
         self._sizes.insert(i, n)
         if i + 1 < len(self._starts) and start + n == self._starts[i + 1]:
@@ -60,6 +67,10 @@ class RangeAllocator:
     @property
     def free_rows(self) -> int:
         return sum(self._sizes)
+
+    @property
+    def used_rows(self) -> int:
+        return self.capacity - self.free_rows
 
 
 @dataclass
@@ -86,9 +97,11 @@ class PoolCapacity:
 
 
 def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
-    """Rows that hold an index over every KV slot at once at the smallest chunk size (real chunks are longer,
-    which leaves the grafting room). Proportional to the slots, so it can be charged per KV slot."""
-    chunks = num_slots // cfg.chunk_min + 64
+    """Rows that hold indexes over ``index_pool_scale`` x every KV slot at the smallest chunk size (real chunks
+    are longer, which leaves the grafting room). Requests over one shared prefix each hold their own copy of
+    its index while sharing its KV, hence a scale above 1. Proportional to the slots, so it can be charged
+    per KV slot."""
+    chunks = int(num_slots * cfg.index_pool_scale) // cfg.chunk_min + 64
     fine = math.ceil(chunks / cfg.fine_cluster_size) + 64
     coarse = fine // 4 + 64     # P <= sqrt(L) <= L / 4 once a request has 16 fine clusters
     return PoolCapacity(coarse, fine, chunks)
@@ -113,7 +126,27 @@ class IndexPools:
         self.alloc = {"coarse": RangeAllocator(cap.coarse), "fine": RangeAllocator(cap.fine),
                       "chunks": RangeAllocator(cap.chunks)}
         self.capacity = cap
+        self.generation = 0   # bumped by every free: a request that found no room retries only after one
 
+    def fill(self) -> dict:
+        """Rows in use and capacity of each pool, for /server_info and /metrics."""
+        return {kind: {"used": a.used_rows, "capacity": a.capacity} for kind, a in self.alloc.items()}
+
+    def check_range(self, rng: PoolRanges) -> None:
+        """Debug mode (SGL_SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.
+        Reads device memory (a sync); the GPU tests run with it on."""
+        cap = self.capacity
+        assert 0 <= rng.co and rng.co + rng.P <= cap.coarse, ("coarse range", rng)
+        assert 0 <= rng.fo and rng.fo + rng.L <= cap.fine, ("fine range", rng)
+        assert 0 <= rng.ko and rng.M <= rng.kcap and rng.ko + rng.kcap <= cap.chunks, ("chunk range", rng)
+        first = self.cfirst[:, rng.co:rng.co + rng.P]
+        num = self.cnum[:, rng.co:rng.co + rng.P]
+        par = self.fpar[:, rng.fo:rng.fo + rng.L]
+        kf = self.kfine[:, rng.ko:rng.ko + rng.M]
+        assert int(first.min()) >= 0 and int((first + num).max()) <= rng.L, ("coarse children", rng)
+        assert int(par.min()) >= 0 and int(par.max()) < rng.P, ("fine parents", rng)
+        if rng.M:
+            assert int(kf.min()) >= 0 and int(kf.max()) < rng.L, ("chunk clusters", rng)
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
         return ((self.cmu[l], self.cr[l], self.ctok[l], self.cfirst[l], self.cnum[l]),
@@ -158,8 +191,11 @@ class IndexPools:
     def add_chunk(self, rng: PoolRanges, start: int, length: int) -> int | None:
         """Reserve the next chunk row of a range (moving it to a bigger range when full); None if full."""
         if rng.M == rng.kcap:
-            new = self.alloc["chunks"].alloc(2 * rng.kcap)
-            if new is None:
+            for size in (2 * rng.kcap, rng.kcap + 64):
+                new = self.alloc["chunks"].alloc(size)
+                if new is not None:
+                    break
+            else:
                 return None
             old = slice(rng.ko, rng.ko + rng.M)
             dst = slice(new, new + rng.M)
@@ -167,8 +203,9 @@ class IndexPools:
             self.kstart[dst] = self.kstart[old]
             self.klen[dst] = self.klen[old]
             self.alloc["chunks"].free(rng.ko, rng.kcap)
-            rng.ko, rng.kcap = new, 2 * rng.kcap
+            rng.ko, rng.kcap = new, size
         row = rng.ko + rng.M
+        assert row < rng.ko + rng.kcap <= self.capacity.chunks, (row, rng)
         self.kstart[row] = start
         self.klen[row] = length
         rng.M += 1
@@ -190,3 +227,4 @@ class IndexPools:
         self.alloc["coarse"].free(rng.co, rng.P)
         self.alloc["fine"].free(rng.fo, rng.L)
         self.alloc["chunks"].free(rng.ko, rng.kcap)
+        self.generation += 1

@@ -23,6 +23,7 @@ the forward pass).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,7 +53,9 @@ class RequestState:
     index: dict[int, ClusterIndex] = field(default_factory=dict)
     adopted: tuple[int, int] | None = None  # (IndexCache entry, shared units) this request grafts onto
     pool: PoolRanges | None = None          # pooled path: the request's rows in the index pools
-    pool_full: bool = False                 # pooled path: no room; decodes on sink + recent window only
+    # pooled path: the pools' generation when placing the index last failed; until it is placed the request
+    # decodes densely (full context) and retries once a free changed the generation
+    unplaced_gen: int | None = None
 
     @property
     def indexed_end(self) -> int:
@@ -84,6 +87,8 @@ class PoolPlan:
 
 ALL_LAYERS = -1   # IndexCache key of an all-layer index (pooled path)
 logger = logging.getLogger("sgl_sparsekv")
+# SGL_SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
+DEBUG = os.environ.get("SGL_SPARSEKV_DEBUG") == "1"
 
 
 def unit_min(cfg: SparseKVConfig) -> int:
@@ -121,18 +126,21 @@ class SparseKVManager:
                                capacity=num_slots // unit_min(cfg) + 64 if use_pools else 1024,
                                dtype=summary_dtype)
         self.pools = None
+        self.states: dict[int, RequestState] = {}
+        self.index_cache = IndexCache(self.store)
         if use_pools:
             assert cfg.method == "lychee", "the pooled path serves lychee"
             self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
                                     self.device)
-        self.states: dict[int, RequestState] = {}
-        self.index_cache = IndexCache(self.store)
+            # the store was sized (and charged to SGLang) for every KV slot's units: cached indexes that keep
+            # freed units alive give them back before the store grows past that plan
+            self.store.reclaim = self.index_cache.evict_lru
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
-                      "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
+                      "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0, "dense_fallback_steps": 0,
                       "decode_prepare_s": 0.0, "index_build_s": 0.0}
 
     # ------------------------------------------------------------------ frees (any thread)
@@ -148,7 +156,8 @@ class SparseKVManager:
         with self._lock:
             self._cleared = True
 
-    def _apply_frees(self) -> None:
+    def apply_frees(self) -> None:
+        """Apply the frees observed since the last batch: at every batch, and when the scheduler goes idle."""
         with self._lock:
             reqs, slots, cleared = self._freed_reqs, self._freed_slots, self._cleared
             self._freed_reqs, self._freed_slots, self._cleared = [], [], False
@@ -156,7 +165,8 @@ class SparseKVManager:
             self._drop(idx)
         if slots:
             self.store.free_slots(torch.cat(slots))
-        if cleared:
+        if cleared:   # a cache flush: the cached indexes go with the cached KV
+            self.index_cache.clear()
             self.store.clear()
 
     def _drop(self, idx: int) -> None:
@@ -177,7 +187,7 @@ class SparseKVManager:
     # ------------------------------------------------------------------ per batch (forward thread)
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
                        req_to_token: torch.Tensor, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
-        self._apply_frees()
+        self.apply_frees()
         self.store.set_tokens(out_cache_loc, input_ids)
         plan = PoolPlan()
         for idx, prefix, seq in zip(req_pool_indices, prefix_lens, seq_lens):
@@ -192,7 +202,7 @@ class SparseKVManager:
 
     def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                        input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
-        self._apply_frees()
+        self.apply_frees()
         self.store.set_tokens(out_cache_loc, input_ids)
         plan = PoolPlan()
         for idx, seq in zip(req_pool_indices, seq_lens):
@@ -241,9 +251,15 @@ class SparseKVManager:
                 self.pool_layer(l, k_buffers(l), plan)
         states = [self.states[idx] for idx in req_pool_indices]
         for state in states:
-            if state.pool is None and not state.pool_full and self.needs_sparse(state.seq_len) and state.units:
+            if (state.pool is None and self.needs_sparse(state.seq_len) and state.units
+                    and state.unplaced_gen != self.pools.generation):
                 self._pool_index(state)
         self._graft_pooled([s for s in states if s.pool is not None])
+        if DEBUG:
+            for s in states:
+                if s.pool is not None:
+                    self.pools.check_range(s.pool)
+                    assert s.pool.M == len(s.units), (s.pool, len(s.units))
         return [s.pool for s in states]
 
     def _pool_index(self, state: RequestState) -> None:
@@ -271,13 +287,17 @@ class SparseKVManager:
         starts = torch.tensor(state.starts[:n], dtype=torch.int32, device=self.device)
         state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))
         if state.pool is None:
-            self._pool_full(state)
+            self._unplaced(state)
+        else:
+            state.unplaced_gen = None
 
-    def _pool_full(self, state: RequestState) -> None:
-        state.pool_full = True
+    def _unplaced(self, state: RequestState) -> None:
+        """No room in the pools: the request decodes densely until a free makes room (never on less context)."""
+        state.unplaced_gen = self.pools.generation
         if not self.stats["index_pool_full"]:
-            logger.warning("sparse-kv: index pools are full; requests without room decode on their sink and "
-                           "recent window only (counted in index_pool_full)")
+            logger.warning("sparse-kv: the index pools are full; requests without room decode densely (whole "
+                           "context) until rows free up (counted in index_pool_full and dense_fallback_steps; "
+                           "raise index_pool_scale to avoid it)")
         self.stats["index_pool_full"] += 1
 
     def _graft_pooled(self, states: list[RequestState]) -> None:
@@ -289,16 +309,20 @@ class SparseKVManager:
                     continue
                 i = state.pool.M
                 row = self.pools.add_chunk(state.pool, state.starts[i], state.ends[i] - state.starts[i])
-                if row is None:   # no room to grow: the request falls back to its sink and recent window
-                    self._pool_full(state)
-                    self.pools.free(state.pool)
+                if row is None:
+                    # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
+                    self.index_cache.add(state.units[:i], self._lengths(state)[:i], ALL_LAYERS,
+                                         self.pools.export(state.pool))
+                    self._unplaced(state)
+                    self.pools.free(state.pool)   # a new generation: the request retries at the next step
                     state.pool = None
                     continue
+                assert 0 <= state.units[i] < self.store.capacity, (state.units[i], self.store.capacity)
                 jobs.append((state.units[i], state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
                              state.pool.co, row))
             if not jobs:
                 return
-            cols = torch.tensor(jobs, dtype=torch.int32).T.contiguous().to(self.device)
+            cols = torch.tensor(jobs, dtype=torch.int32).T.contiguous().to(self.device, non_blocking=True)
             graft_chunks(self.pools, self.store.summary, *cols)
             self.stats["grafts"] += len(jobs)
 
@@ -381,8 +405,16 @@ class SparseKVManager:
         out = dict(self.store.stats)
         out.update(self.stats)
         out["live_units"] = self.store.live_units
+        out["unit_capacity"] = self.store.capacity
         out["live_requests"] = len(self.states)
         out["index_bytes"] = (self.store.nbytes() + self.index_cache.nbytes()
                               + sum(ix.nbytes() for s in self.states.values() for ix in s.index.values()))
         out["cached_indexes"] = len(self.index_cache.entries)
+        # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
+        held = (self.store.keyed_units + sum(len(e.units) for e in self.index_cache.entries.values())
+                + sum(len(s.units) for s in self.states.values()))
+        out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
+        if self.pools is not None:
+            out["index_pools"] = self.pools.fill()
+            out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
         return out

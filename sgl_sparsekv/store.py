@@ -40,6 +40,8 @@ class UnitStore:
         self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
         self._free: list[int] = []
         self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
+        # () -> bool: frees some unit held elsewhere (a cached index) before the store grows; False when none
+        self.reclaim = None
         self._grow(capacity)
 
     # ------------------------------------------------------------------ storage
@@ -58,6 +60,8 @@ class UnitStore:
         self.capacity = capacity
 
     def _alloc(self) -> int:
+        while not self._free and self.reclaim is not None and self.reclaim():
+            pass
         if not self._free:
             self._grow(max(1024, 2 * self.capacity))
         return self._free.pop()
@@ -65,6 +69,10 @@ class UnitStore:
     @property
     def live_units(self) -> int:
         return self.capacity - len(self._free)
+
+    @property
+    def keyed_units(self) -> int:
+        return int((self.slot_unit >= 0).sum())
 
     def nbytes(self) -> int:
         per_unit = self.summary[:, :1].numel() * self.summary.element_size() + 8 + 8 + 4

@@ -8,6 +8,9 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
     # No GPU: Triton kernels run in its interpreter (set before any kernel module is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# every pool range the GPU kernels read is checked against the pools (sgl_sparsekv/manager.py: DEBUG)
+os.environ.setdefault("SGL_SPARSEKV_DEBUG", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench/ and tests/ helpers; appended so PyPI packages win
 

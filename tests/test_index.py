@@ -93,9 +93,25 @@ def test_budget_respected_and_tie_break_stable():
     index = build_index(keys, lens, 2.0, 64, 10)
     q = torch.randn(2, 2, 64, generator=gen)
     a = select_clusters(index, q, 300, 4.0, "max")
-    b = select_clusters(index, q, 300, 4.0, "max")
-    assert torch.equal(a, b)
+    assert torch.equal(a, select_clusters(index, q, 300, 4.0, "max"))
     assert int((index.fine_tokens * a).sum(1).max()) <= 300
+
+    # a real tie: every node carries the same centroid and radius, so every bound is equal; the pick must be
+    # the lowest-indexed live clusters (a stable sort), up to the budget
+    for node in ("fine", "coarse"):
+        mu, r = getattr(index, f"{node}_mu"), getattr(index, f"{node}_r")
+        mu[:] = keys[:, :1]
+        r[:] = torch.where(torch.isfinite(r), torch.tensor(0.25), r)
+    ub = upper_bound(q, index.fine_mu, index.fine_r, "max")
+    live = index.fine_n > 0
+    assert all(bool((ub[h][live[h]] == ub[h][live[h]][0]).all()) for h in range(2))
+    for budget in (95, 300):
+        got = select_clusters(index, q, budget, 1000.0, "max")
+        for h in range(2):
+            tok = torch.where(live[h], index.fine_tokens[h], torch.zeros(()))
+            want = live[h] & (torch.cumsum(tok, 0) <= budget)
+            assert torch.equal(got[h], want), (budget, h)
+            assert 0 < int(want.sum()) < int(live[h].sum())
 
 
 @pytest.mark.parametrize("reduce", ["max", "mean"])

@@ -75,6 +75,35 @@ def test_budget_larger_and_smaller_than_sequence():
     assert rel_err(out[0], dense) < 1e-2
 
 
+def run_direct_case(seqs, num_slots, splits, G=4, D=64, H=2, seed=0):
+    """Requests flagged direct attend to their whole req_to_token row; the others to their lists."""
+    gen = torch.Generator().manual_seed(seed)
+    bs = len(seqs)
+    q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
+    k = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    v = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    indptr, indices = make_lists(bs, H, num_slots, torch.randint(1, 40, (bs, H), generator=gen), gen)
+    req_to_token = torch.randint(1, num_slots, (bs + 2, max(seqs) + 5), generator=gen, dtype=torch.int32).to(DEV)
+    rows = torch.arange(bs, 0, -1, dtype=torch.int32, device=DEV)   # not the batch order
+    flags = torch.tensor([i % 2 for i in range(bs)], dtype=torch.int32, device=DEV)
+    direct = (flags, rows, torch.tensor(seqs, dtype=torch.int32, device=DEV), req_to_token)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=splits, direct=direct)
+    ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5, direct=direct)
+    assert not torch.isnan(out).any(), "unwritten output"
+    assert rel_err(out, ref) < 1e-2
+    # a direct request's output is plain attention over its row, whatever its list held
+    b = 1
+    row = req_to_token[int(rows[b]), :seqs[b]].long()
+    for h in range(H):
+        p = torch.softmax(q[b, h * G:(h + 1) * G].float() @ k[row, h].float().T * D ** -0.5, -1)
+        assert rel_err(out[b, h * G:(h + 1) * G], p @ v[row, h].float()) < 1e-2
+
+
+def test_sparse_decode_direct_rows():
+    run_direct_case([30, 150, 7, 260], 400, splits=3)
+
+
 @pytest.mark.parametrize("minmax", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 def test_pool_units(minmax, D):
@@ -117,6 +146,11 @@ def test_sparse_decode_real_shapes(bs, G, D):
     gen = torch.Generator().manual_seed(bs)
     lens = torch.randint(900, 1025, (bs, H), generator=gen)
     run_decode_case(bs, H, G, D, lens, 200_000, splits=8, seed=bs)
+
+
+@pytest.mark.gpu
+def test_sparse_decode_direct_rows_real_shapes():
+    run_direct_case([1000, 33_000, 4096, 65_000], 140_000, splits=8, G=4, D=128, H=8)
 
 
 @pytest.mark.gpu

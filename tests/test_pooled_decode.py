@@ -250,30 +250,158 @@ def test_memory_charged_to_sglang_matches_what_is_allocated():
     assert bytes_per_token(cfg, LAYERS, H, D, pooled=False) < bytes_per_token(cfg, LAYERS, H, D, pooled=True)
 
 
-def test_full_pools_fall_back_to_sink_and_recent_window(monkeypatch):
-    """No room in the pools: requests still decode (on their sink and recent window), nothing crashes or leaks."""
-    monkeypatch.setattr("sgl_sparsekv.manager.pool_capacity", lambda cfg, n: PoolCapacity(coarse=4, fine=8, chunks=24))
+def test_full_pools_decode_densely_until_placed(monkeypatch):
+    """No room in the pools: a request past its budget decodes on its whole context (counted), never on less,
+    and gets its index placed once other requests free rows; nothing crashes or leaks."""
+    monkeypatch.setattr("sgl_sparsekv.manager.pool_capacity", lambda cfg, n: PoolCapacity(coarse=8, fine=24, chunks=160))
     w = TwinWorld(7)
     w.rng = random.Random(7)
-    while len(w.live) < 2:
+    while len(w.live) < 3:
         w.start()
-    cfg, r2t = w.cfg, w.req_pool.req_to_token
-    for _ in range(20):
+    cfg, r2t, m = w.cfg, w.req_pool.req_to_token, w.pooled
+    scale = D ** -0.5
+    dense_seen, placed_after_dense = 0, set()
+    for step in range(40):
         reqs = list(w.live)
-        w.decode_batch_unchecked(reqs)
-        for i, req in enumerate(reqs):
-            S = len(req.tokens)
-            st = w.pooled.states[req.req_pool_idx]
-            for h in range(H):
-                j = i * H + h
-                got = w.decoder.windows[j * cfg.token_budget:j * cfg.token_budget + int(w.decoder.lens[j])].tolist()
-                if S <= cfg.token_budget:
-                    assert sorted(got) == sorted(r2t[req.req_pool_idx, :S].tolist())
-                elif st.pool_full:
-                    keep = list(range(cfg.sink_tokens)) + list(range(S - cfg.recent_window, S))
-                    assert sorted(got) == sorted(r2t[req.req_pool_idx, keep].tolist())
-    assert w.pooled.stats["index_pool_full"] > 0
+        rows, seqs, toks, slots = w.append_tokens(reqs)
+        w.decoder.prepare(rows, seqs, len(rows), r2t, toks, slots, lambda l: w.k[l])
+        q = torch.randn(len(rows), H * G, D, generator=w.qgen)
+        out = w.decoder.attend(q, w.k[1], w.v[1], 0, r2t, scale)
+        for i, (row, S) in enumerate(zip(rows, seqs)):
+            st = m.states[row]
+            if S > cfg.token_budget and st.pool is None:
+                dense_seen += 1
+                assert int(w.decoder.direct[i]) == 1
+                want = sparse_decode(q[i], w.k[1], w.v[1], r2t[row, :S], torch.ones(H, S, dtype=torch.bool), scale)
+                assert torch.allclose(out[i], want, atol=1e-4), (step, row)
+            elif st.pool is not None and st.unplaced_gen is None and m.stats["dense_fallback_steps"]:
+                placed_after_dense.add(row)
+        if step == 20:   # the requests that hold rows finish: the others must get theirs
+            for req in [r for r in reqs if m.states[r.req_pool_idx].pool is not None]:
+                w.finish(req, abort=False)
+    assert m.stats["index_pool_full"] > 0 and m.stats["dense_fallback_steps"] == dense_seen > 0
+    assert placed_after_dense, "a request that decoded densely never got its index placed"
     for req in list(w.live):
         w.finish(req, abort=False)
-    w.pooled.prepare_extend([], [], [], r2t, torch.zeros(0), torch.zeros(0))
-    assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+    m.prepare_extend([], [], [], r2t, torch.zeros(0), torch.zeros(0))
+    assert all(a.free_rows == a.capacity for a in m.pools.alloc.values())
+    assert m.snapshot_stats()["unit_refs_unaccounted"] == 0
+
+
+def test_store_gives_back_cached_units_before_growing():
+    """The pooled store is sized for the KV slots; units kept alive only by cached indexes go back first."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    w = TwinWorld(3)
+    w.rng = random.Random(3)
+    m = w.pooled
+    for _ in range(6):
+        w.start()
+        for _ in range(4):
+            w.decode_batch_unchecked(list(w.live))
+        w.finish(w.live[0], abort=False)
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    w.radix.evict(EvictParams(num_tokens=SLOTS))   # every cached KV slot goes: only cached indexes hold units
+    m.apply_frees()
+    assert m.index_cache.entries and m.store.keyed_units == 0 and m.store.live_units > 0
+    cap, n_free = m.store.capacity, len(m.store._free)
+    for slot in range(n_free + 8):   # more units than the free list holds, each held by its key slot only
+        uid, fresh = m.store.add_or_reuse(0, 8, key_slot=slot)
+        assert fresh
+        m.store.release([uid])
+    assert m.store.capacity == cap, "the store grew while cached indexes still held units"
+    assert m.snapshot_stats()["unit_refs_unaccounted"] == 0
+
+
+@pytest.mark.gpu
+def test_graft_past_int32_offsets():
+    """The H100 crash: a unit store of more than 2**31 elements (Llama-3.1-8B: 30 sparse layers x 8 heads x 128,
+    about 70K units, reached once cached indexes keep units alive) made the graft kernel's layer offset wrap.
+    Grafting the last unit into every layer must equal the twin."""
+    dev, Ls, Hk, d, M = "cuda", 30, 8, 128, 64
+    U = (1 << 31) // (Ls * Hk * d) + 1024
+    summary = torch.empty(Ls, U, Hk, 1, d, dtype=torch.bfloat16, device=dev)
+    assert summary.numel() > 2 ** 31
+    gen = torch.Generator(device=dev).manual_seed(0)
+    keys = torch.nn.functional.normalize(torch.randn(Ls * Hk, M, d, device=dev, generator=gen), dim=-1)
+    lengths = torch.full((M,), 12, device=dev)
+    ix = build_index(keys, lengths, 2.0, 64, 5)
+    pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, Hk, d, dev)
+    rng = pools.load(ix, torch.cumsum(lengths, 0) - lengths, lengths, room=8)
+    ref = ix.clone()
+    for uid in (U - 1, U - 2):
+        summary[:, uid] = torch.nn.functional.normalize(torch.randn(Ls, Hk, 1, d, device=dev, generator=gen),
+                                                        dim=-1).to(summary.dtype)
+        row = pools.add_chunk(rng, 10_000 + uid, 12)
+        graft(ref, summary[:, uid, :, 0].float().reshape(Ls * Hk, d), 12)
+        cols = torch.tensor([[uid, 12, rng.fo, rng.L, rng.co, row]], dtype=torch.int32, device=dev).T.contiguous()
+        graft_chunks(pools, summary, *cols)
+    torch.cuda.synchronize()
+    got = pools.export(rng)
+    for name, t in vars(ref).items():
+        assert torch.allclose(getattr(got, name).to(t.dtype), t, atol=1e-4), name
+    pools.check_range(rng)
+
+
+@pytest.mark.gpu
+def test_dense_fallback_inside_cuda_graph(monkeypatch):
+    """Real shapes: pools with room for one of two long requests; the other attends to its whole context from
+    the captured graph (the direct rows of the attention kernel), then gets placed once the first finishes."""
+    from sgl_sparsekv.config import SparseKVConfig
+
+    dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 3
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed"})
+    lens = [20_000, 24_000]
+    slots = sum(lens) + 4096
+    # room for the first request's index (fixed 16-token chunks: 1250 chunks, 625 fine clusters), not both
+    monkeypatch.setattr("sgl_sparsekv.manager.pool_capacity",
+                        lambda c, n: PoolCapacity(coarse=200, fine=800, chunks=1900))
+    gen = torch.Generator(device=dev).manual_seed(1)
+    k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
+    v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
+    r2t = torch.zeros(4, 30_000, dtype=torch.int32, device=dev)
+    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_pools=True)
+    rows, nxt = [1, 2], 1
+    for row, n in zip(rows, lens):
+        r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
+        nxt += n
+        plan = m.prepare_extend([row], [0], [n], r2t, torch.randint(0, 1000, (n,), device=dev), r2t[row, :n])
+        for l in range(layers):
+            m.pool_layer(l, k[l], plan)
+    dec = PooledDecode(m, max_bs=4, q_heads=Hk * Gq)
+    q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
+    seqs = list(lens)
+
+    def step(live):
+        nonlocal nxt
+        for i in live:
+            r2t[rows[i], seqs[i]] = nxt
+            seqs[i] += 1
+            nxt += 1
+        locs = torch.tensor([int(r2t[rows[i], seqs[i] - 1]) for i in live], device=dev)
+        dec.prepare([rows[i] for i in live], [seqs[i] for i in live], 4, r2t,
+                    torch.randint(0, 1000, (len(live),), device=dev), locs, lambda l: k[l])
+        q.copy_(torch.randn(q.shape, device=dev, generator=gen))
+
+    step([0, 1])
+    out.copy_(dec.attend(q, k[1], v[1], 0, r2t, d ** -0.5))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(dec.attend(q, k[1], v[1], 0, r2t, d ** -0.5))
+    placed = [m.states[r].pool is not None for r in rows]
+    assert placed.count(True) == 1, placed
+    dense_i = placed.index(False)
+    for _ in range(5):
+        step([0, 1])
+        graph.replay()
+        torch.cuda.synchronize()
+        row, S = rows[dense_i], seqs[dense_i]
+        want = sparse_decode(q[dense_i], k[1], v[1], r2t[row, :S], torch.ones(Hk, S, dtype=torch.bool, device=dev),
+                             d ** -0.5)
+        assert torch.allclose(out[dense_i].float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert m.stats["dense_fallback_steps"] == 6
+    m.request_freed(rows[1 - dense_i])         # the placed request finishes: its rows go back
+    step([dense_i])
+    assert m.states[rows[dense_i]].pool is not None and int(dec.direct[0]) == 0

@@ -1,0 +1,173 @@
+"""GPU stress run: --sparse-kv lychee under mixed load, aborts and memory pressure, checked back to idle.
+
+    python3 -m bench.gpu_stress --model /tmp/m8b --out $OUT/stress.json          # < 10 minutes on an H100
+    python3 -m bench.gpu_stress --model /tmp/tiny --small --out /tmp/stress.json  # the `-m gpu` test
+
+One lychee server (CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
+small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads:
+prompts of 1K-64K random token ids, half of them over two shared prefixes; ``max_new_tokens`` 1 and
+long; streamed requests whose client disconnects mid-decode and requests aborted through
+``/abort_request``. It passes when every request that was not aborted returns all its tokens, the
+server stays healthy, and once traffic ends ``/server_info`` reads idle without any further request
+(no live request state, no pool row in use, every unit reference accounted for) and empty after
+``/flush_cache``. Then greedy tokens of prompts within the budget are compared with a dense server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+from bench.server import Server
+
+BUDGET = 1024
+
+
+def server_args(small: bool) -> list[str]:
+    return ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
+            "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
+            "--max-total-tokens", "40000" if small else "262144", "--context-length", "70000",
+            "--mem-fraction-static", "0.8", "--enable-metrics"]
+
+
+def plan(seed: int, n: int, small: bool) -> list[dict]:
+    rng = random.Random(seed)
+    lengths = [1024, 2048, 4096] if small else [1024, 4096, 16384, 32768, 65536]
+    prefixes = [[rng.randrange(1000, 30_000) for _ in range(lengths[-2])] for _ in range(2)]
+    jobs = []
+    for i in range(n):
+        length = rng.choice(lengths)
+        if i % 2 and length > len(prefixes[0]):
+            ids = prefixes[i % 4 // 2] + [rng.randrange(1000, 30_000) for _ in range(length - len(prefixes[0]))]
+        else:
+            ids = [rng.randrange(1000, 30_000) for _ in range(length)]
+        kind = rng.choice(["complete", "complete", "one", "disconnect", "abort"])
+        out = 1 if kind == "one" else rng.choice([16, 64, 256])
+        jobs.append({"i": i, "ids": ids, "kind": kind, "max_new_tokens": out})
+    return jobs
+
+
+def run_job(url: str, job: dict) -> dict:
+    body = {"input_ids": job["ids"], "rid": f"stress-{job['i']}",
+            "sampling_params": {"max_new_tokens": job["max_new_tokens"], "temperature": 0, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    res = {"i": job["i"], "kind": job["kind"], "len": len(job["ids"])}
+    try:
+        if job["kind"] == "disconnect":
+            body["stream"] = True
+            with requests.post(url + "/generate", json=body, stream=True, timeout=600) as r:
+                r.raise_for_status()
+                for n, _ in enumerate(r.iter_lines()):
+                    if n >= 3:
+                        break   # closing the connection mid-decode makes SGLang abort the request
+            res["ok"] = True
+        elif job["kind"] == "abort":
+            timer = threading.Timer(0.5 + random.random(), lambda: requests.post(
+                url + "/abort_request", json={"rid": body["rid"]}, timeout=30))
+            timer.start()
+            r = requests.post(url + "/generate", json=body, timeout=600)
+            timer.join()
+            res["ok"] = r.status_code in (200, 400)   # finished first, or aborted
+        else:
+            r = requests.post(url + "/generate", json=body, timeout=600)
+            r.raise_for_status()
+            got = len(r.json()["output_ids"])
+            res["ok"] = got == job["max_new_tokens"]
+            res["tokens"] = got
+    except Exception as e:   # noqa: BLE001 - every failure is recorded, not raised
+        res["ok"] = False
+        res["error"] = repr(e)[:300]
+    res["s"] = round(time.perf_counter() - t0, 2)
+    return res
+
+
+def wait_idle(srv: Server, timeout: float = 30) -> dict:
+    """Stats once the server reads idle, polling /server_info only (no request that could apply frees)."""
+    deadline = time.time() + timeout
+    while True:
+        stats = srv.stats()
+        if stats.get("live_requests") == 0 or time.time() > deadline:
+            return stats
+        time.sleep(0.5)
+
+
+def idle_checks(stats: dict, flushed: dict) -> dict:
+    return {
+        "no_live_request_state": stats["live_requests"] == 0,
+        "no_pool_rows_in_use": all(p["used"] == 0 for p in stats["index_pools"].values()),
+        "no_unplaced_requests": stats["unplaced_requests"] == 0,
+        "unit_refs_accounted": stats["unit_refs_unaccounted"] == 0,
+        "empty_after_flush": flushed["live_units"] == 0 and flushed["cached_indexes"] == 0
+                             and flushed["unit_refs_unaccounted"] == 0,
+    }
+
+
+def greedy_short(srv: Server, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for n in (200, 500, 800):
+        ids = [rng.randrange(1000, 30_000) for _ in range(n)]
+        out.append(srv.generate_ids(ids, 32, ignore_eos=True)["output_ids"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=72)
+    ap.add_argument("--concurrency", type=int, default=24)
+    ap.add_argument("--small", action="store_true", help="a tiny model and short prompts (the -m gpu test)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    import torch
+
+    n = 24 if a.small else a.requests
+    jobs = plan(a.seed, n, a.small)
+    res = {"device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(a).items() if k != "out"},
+           "server_args": server_args(a.small), "budget": BUDGET}
+    cfg = {"token_budget": BUDGET}
+    with Server(a.model, "lychee", cfg, extra=server_args(a.small), cpu=False, log_path=f"{a.out}.lychee.log",
+                timeout=900) as srv:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(a.concurrency) as pool:
+            results = list(pool.map(lambda j: run_job(srv.url, j), jobs))
+        res["load_s"] = round(time.perf_counter() - t0, 1)
+        res["healthy_after"] = requests.get(srv.url + "/health_generate", timeout=60).status_code == 200
+        # /health_generate ran a request; wait for it to finish, then read the idle state
+        idle = wait_idle(srv)
+        requests.post(srv.url + "/flush_cache", timeout=60)
+        flushed = wait_idle(srv)
+        res["stats_idle"], res["stats_flushed"] = idle, flushed
+        res["metrics_exported"] = "sglang:sparse_kv_index_pool_fill" in requests.get(srv.url + "/metrics",
+                                                                                     timeout=60).text
+        res["greedy_lychee"] = greedy_short(srv, a.seed)
+    with Server(a.model, "off", None, extra=server_args(a.small), cpu=False, log_path=f"{a.out}.dense.log",
+                timeout=900) as srv:
+        res["greedy_dense"] = greedy_short(srv, a.seed)
+    res["results"] = results
+    counts = {}
+    for r in results:
+        c = counts.setdefault(r["kind"], {"sent": 0, "ok": 0})
+        c["sent"] += 1
+        c["ok"] += bool(r["ok"])
+    res["counts"] = counts
+    res["checks"] = dict(idle_checks(idle, flushed), healthy_after=res["healthy_after"],
+                         every_request_ok=all(r["ok"] for r in results), metrics_exported=res["metrics_exported"],
+                         greedy_within_budget_equal_dense=res["greedy_lychee"] == res["greedy_dense"])
+    res["passed"] = all(res["checks"].values())
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(json.dumps({"counts": counts, "checks": res["checks"], "passed": res["passed"], "load_s": res["load_s"],
+                      "fallbacks": idle.get("dense_fallback_steps"), "index_pool_full": idle.get("index_pool_full")}))
+    raise SystemExit(0 if res["passed"] else 1)
+
+
+if __name__ == "__main__":
+    main()

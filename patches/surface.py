@@ -1,0 +1,106 @@
+"""Every SGLang internal sgl-sparsekv hooks, patches or reads, in one list, checked at startup.
+
+SGLang's plugin loader logs and skips a hook whose target is gone, so a renamed private method
+would let ``--sparse-kv lychee`` start and silently serve dense. Instead, with the plugin on:
+
+- in the launcher (flag parsing), :func:`check_sglang` verifies that every hook target below really
+  was patched and that every other internal named here exists;
+- in each scheduler, :func:`check_instance` verifies the pool instances and the model runner before they
+  are patched or read, and ``patches/plugin.py`` checks that the runner's attention backend is ours.
+
+Any miss refuses to start with one line naming it. Written against SGLang 0.5.15.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pkgutil
+
+from sgl_sparsekv.config import ConfigError
+
+_SA = "sglang.srt.server_args.ServerArgs"
+
+# hook name (a function in patches/) -> SGLang target it wraps
+HOOK_TARGETS = {
+    "add_cli_args": f"{_SA}.add_cli_args",
+    "from_cli_args": f"{_SA}.from_cli_args",
+    "server_args_init": f"{_SA}.__init__",
+    "wrap_attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend",
+    "charge_index_memory":
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    "add_stats_to_internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
+    "check_scheduler": "sglang.srt.managers.scheduler.Scheduler.__init__",
+    "on_scheduler_idle": "sglang.srt.managers.scheduler.Scheduler.on_idle",
+}
+
+# names imported from SGLang by patches/
+IMPORTS = (
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
+    "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
+    "sglang.srt.layers.dp_attention.get_attention_tp_size",
+    "sglang.srt.utils.hf_transformers.tokenizer.get_tokenizer",
+)
+
+# the attention-backend interface SparseKVAttnBackend implements, and where SGLang's graph runner calls it
+BACKEND = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend"
+BACKEND_METHODS = ("init_forward_metadata", "init_cuda_graph_state", "init_forward_metadata_out_graph",
+                   "init_forward_metadata_in_graph", "forward_extend", "forward_decode",
+                   "get_cuda_graph_seq_len_fill_value")
+GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
+GRAPH_RUNNER_CALLS = ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")
+
+FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
+                        "out_cache_loc", "input_ids", "extend_prefix_lens_cpu")
+
+# instance attributes read or patched in the scheduler process
+RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "is_draft_worker", "req_to_token_pool",
+                "token_to_kv_pool", "token_to_kv_pool_allocator")
+KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer")
+REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
+ALLOCATOR_PATCHED = ("free", "clear")
+SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args")
+
+
+def _fail(what: str) -> None:
+    raise ConfigError(f"sparse-kv: this SGLang lacks {what} (sgl-sparsekv is written against SGLang 0.5.15); "
+                      "refusing to start rather than serve dense")
+
+
+def _resolve(path: str):
+    try:
+        return pkgutil.resolve_name(path)
+    except (ImportError, AttributeError, ValueError):
+        _fail(path)
+
+
+def check_sglang() -> None:
+    """Launcher-side: every hook applied, every named internal present."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for name, target in HOOK_TARGETS.items():
+        patched = _resolve(target)
+        if target not in HookRegistry._patched or not hasattr(patched, "__wrapped__"):
+            _fail(f"{target} (hook {name} did not apply)")
+    for path in IMPORTS:
+        _resolve(path)
+    backend = _resolve(BACKEND)
+    for m in BACKEND_METHODS:
+        if not callable(getattr(backend, m, None)):
+            _fail(f"{BACKEND}.{m}")
+    source = inspect.getsource(_resolve(GRAPH_RUNNER))
+    for m in GRAPH_RUNNER_CALLS:
+        if f".{m}(" not in source:
+            _fail(f"a call of AttentionBackend.{m} in {GRAPH_RUNNER}")
+    fields = {f.name for f in dataclasses.fields(_resolve(FORWARD_BATCH))}
+    for f in FORWARD_BATCH_FIELDS:
+        if f not in fields:
+            _fail(f"{FORWARD_BATCH}.{f}")
+
+
+def check_instance(obj, attrs, what: str) -> None:
+    """Scheduler-side: an SGLang object has what the plugin reads or patches."""
+    for a in attrs:
+        if not hasattr(obj, a):
+            _fail(f"{what}.{a} ({type(obj).__name__})")

@@ -1,0 +1,26 @@
+"""The GPU stress run (bench/gpu_stress.py) in its small form: a tiny dummy model, a few dozen requests with
+aborts, disconnects and evictions; every check of the full run must hold."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
+
+
+@pytest.mark.gpu
+def test_stress_small(tmp_path):
+    if not MKMODEL.exists():
+        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
+    out = tmp_path / "stress.json"
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_stress", "--small", "--model", str(model), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    res = json.loads(out.read_text())
+    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    assert res["counts"]["complete"]["sent"] > 0 and res["stats_idle"]["grafts"] > 0
