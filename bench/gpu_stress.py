@@ -54,7 +54,7 @@ def plan(seed: int, n: int, small: bool) -> list[dict]:
 
 
 def run_job(url: str, job: dict) -> dict:
-    body = {"input_ids": job["ids"], "rid": f"stress-{job['i']}",
+    body = {"input_ids": job["ids"], "rid": f"stress-{job['i']:05d}",  # fixed width: SGLang aborts by rid prefix
             "sampling_params": {"max_new_tokens": job["max_new_tokens"], "temperature": 0, "ignore_eos": True}}
     t0 = time.perf_counter()
     res = {"i": job["i"], "kind": job["kind"], "len": len(job["ids"])}
