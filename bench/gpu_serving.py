@@ -29,8 +29,8 @@ import requests
 from bench.server import Server
 
 COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
-          "--attention-backend", "flashinfer", "--mem-fraction-static", "0.8", "--max-running-requests", "16",
-          "--cuda-graph-max-bs", "16", "--context-length", "131072"]
+          "--mem-fraction-static", "0.8", "--max-running-requests", "16", "--cuda-graph-max-bs", "16",
+          "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
 DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "index_pool_full", "dense_fallback_steps",
           "decode_prepare_s", "index_build_s")
@@ -110,14 +110,17 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"],
+                    help="SGLang attention backend of both servers (lychee wraps it)")
     a = ap.parse_args()
     import torch
 
     res = {"device": torch.cuda.get_device_name(), "model": "Llama-3.1-8B shape, dummy weights",
-           "settings": {k: v for k, v in vars(a).items() if k != "out"}, "server_args": COMMON}
+           "settings": {k: v for k, v in vars(a).items() if k != "out"},
+           "server_args": COMMON + ["--attention-backend", a.backend]}
     for name in a.methods:
         method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
-        with Server(a.model, method, cfg, extra=COMMON, cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
+        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
             res[name] = measure(srv, a, name)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
