@@ -101,8 +101,11 @@ def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
     are longer, which leaves the grafting room). Requests over one shared prefix each hold their own copy of
     its index while sharing its KV, hence a scale above 1. Proportional to the slots, so it can be charged
     per KV slot."""
-    chunks = int(num_slots * cfg.index_pool_scale) // cfg.chunk_min + 64
-    fine = math.ceil(chunks / cfg.fine_cluster_size) + 64
+    units = int(num_slots * cfg.index_pool_scale) // cfg.chunk_min
+    # a chunk row costs about 1/100 of a fine row: twice the rows leave each request its grafting room
+    # (a quarter of its chunks) and range moves without the chunk pool filling before the fine pool
+    chunks = 2 * units + 64
+    fine = math.ceil(units / cfg.fine_cluster_size) + 64
     coarse = fine // 4 + 64     # P <= sqrt(L) <= L / 4 once a request has 16 fine clusters
     return PoolCapacity(coarse, fine, chunks)
 
