@@ -165,3 +165,57 @@ def test_engine_kwargs(smollm2_dir):
     with pytest.raises(ConfigError, match="unknown key 'budget'"):
         ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="quest", sparse_kv_config={"budget": 512})
     assert ServerArgs(model_path=smollm2_dir, device="cpu").sparse_kv == "off"
+
+
+def _launch_renamed(*args):
+    """As _launch, on an SGLang whose ModelRunner._get_attention_backend was renamed (what an upgrade could do)."""
+    code = ("import sys; import sglang.srt.model_executor.model_runner as mr; "
+            "mr.ModelRunner._renamed = mr.ModelRunner._get_attention_backend; "
+            "del mr.ModelRunner._get_attention_backend; "
+            "from sglang.srt.plugins import load_plugins; load_plugins(); "
+            "from sglang.srt.server_args import prepare_server_args; "
+            "sa = prepare_server_args(sys.argv[1:]); print('PARSED', sa.sparse_kv)")
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_missing_sglang_internal_refuses_to_start(smollm2_dir):
+    """A hook that could not apply makes --sparse-kv refuse to start with one line naming it (never serve dense);
+    --sparse-kv off is not affected."""
+    base = ["--model-path", smollm2_dir, "--device", "cpu", "--grammar-backend", "none"]
+    bad = _launch_renamed(*base, "--sparse-kv", "lychee")
+    assert bad.returncode != 0 and "PARSED" not in bad.stdout
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sparse-kv: this SGLang lacks") and "ModelRunner._get_attention_backend" in last
+    off = _launch_renamed(*base)
+    assert off.returncode == 0 and "PARSED off" in off.stdout
+
+
+def test_scheduler_refuses_a_dense_backend():
+    """The scheduler-side check: sparse-kv on, but the model runner's backend is not the sparse one."""
+    from sgl_sparsekv.patches.plugin import check_scheduler
+
+    cfg = SparseKVConfig.from_method("lychee").to_dict()
+    runner = SimpleNamespace(attn_backend=object())
+    sched = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=cfg, enable_metrics=False),
+                            tp_worker=SimpleNamespace(model_runner=runner), is_fully_idle=lambda: True)
+    with pytest.raises(ConfigError, match="attention backend is object, not the sparse one"):
+        check_scheduler(None, sched)
+    off = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config={"method": "off"}))
+    assert check_scheduler(None, off) is None
+
+
+def test_surface_lists_every_hook():
+    """Every hook the plugin registers is in patches/surface.py, the list checked at startup."""
+    from sgl_sparsekv.patches import plugin, surface
+
+    assert set(plugin._HOOKS) == set(surface.HOOK_TARGETS)
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    saved = {k: list(v) for k, v in HookRegistry._hooks.items()}
+    try:
+        HookRegistry._hooks.clear()
+        plugin.register()
+        assert set(HookRegistry._hooks) == set(surface.HOOK_TARGETS.values())
+    finally:
+        HookRegistry._hooks.clear()
+        HookRegistry._hooks.update(saved)

