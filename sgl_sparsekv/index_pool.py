@@ -150,6 +150,7 @@ class IndexPools:
         assert int(par.min()) >= 0 and int(par.max()) < rng.P, ("fine parents", rng)
         if rng.M:
             assert int(kf.min()) >= 0 and int(kf.max()) < rng.L, ("chunk clusters", rng)
+
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
         return ((self.cmu[l], self.cr[l], self.ctok[l], self.cfirst[l], self.cnum[l]),
