@@ -92,6 +92,37 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def load_table(path: Path) -> str:
+    """Serving under load, lychee only: completion, errors and dense fallbacks per workload (gpu_serving_load_*)."""
+    r = json.loads(path.read_text())
+    backend = r["server_args"][r["server_args"].index("--attention-backend") + 1]
+    lines = [f"Serving under load, {r['device']}, {r['model']}, {r['method']}, {backend} backend, CUDA graphs on "
+             f"(`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| workload | commit | completed | errors | index_pool_full | dense_fallback_steps | output tok/s "
+             "| median TPOT (ms) | mean TTFT (s) |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, x in r.items():
+        if not isinstance(x, dict) or "status" in x or "completed" not in x or "num_prompts" not in x:
+            continue
+        pl = x["plugin"]
+        lines.append(f"| {name} | {x['commit']} | {x['completed']}/{x['num_prompts']} | {x['errors']} | "
+                     f"{pl['index_pool_full']} | {pl['dense_fallback_steps']} | {x['output_throughput']:.1f} | "
+                     f"{x['median_tpot_ms']:.1f} | {x['mean_ttft_ms'] / 1000:.1f} |")
+    for name, x in r.items():
+        if isinstance(x, dict) and "status" in x:
+            lines.append(f"\n{name}: {x['status']}.")
+    return "\n".join(lines)
+
+
+def stress_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"Stress run, {r['device']}, commit {r['commit']}: {sum(c['sent'] for c in r['counts'].values())} "
+             f"requests over {r['load_s']:.0f} s, passed: {r['passed']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+             "", "| requests | sent | behaved |", "|---|---|---|"]
+    lines += [f"| {kind} | {c['sent']} | {c['ok']} |" for kind, c in r["counts"].items()]
+    lines += ["", "| check | held |", "|---|---|"] + [f"| {k} | {v} |" for k, v in r["checks"].items()]
+    return "\n".join(lines)
+
+
 def fidelity_table(path: Path) -> str:
     r = json.loads(path.read_text())
     tasks = r["tasks"]
@@ -112,7 +143,8 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h200.json", serving_table),
-                     ("kernels_h200.json", kernels_table)):
+                     ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
+                     ("stress_h100.json", stress_table)):
         p = RESULTS / name
         if p.exists():
             out.append(fn(p))
