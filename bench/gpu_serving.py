@@ -45,7 +45,7 @@ SHARED_PREFIX = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups"
                  "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len", "512"]
 
 
-def serve_bench(srv: Server, dataset: list[str], concurrency: int, out_file: str) -> dict:
+def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port), *dataset,
            "--max-concurrency", str(concurrency), "--output-file", out_file]
     before = srv.stats()
@@ -54,7 +54,7 @@ def serve_bench(srv: Server, dataset: list[str], concurrency: int, out_file: str
     with open(out_file) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     out = {k: rows[-1].get(k) for k in KEEP}
-    out["errors"] = rows[-1].get("num_prompts", 0) - (out["completed"] or 0) if "num_prompts" in rows[-1] else None
+    out["errors"] = prompts - (out["completed"] or 0)   # bench_serving's result rows do not carry the prompt count
     after = srv.stats()
     out["plugin"] = {k: after[k] - before.get(k, 0) for k in DELTAS if k in after}
     out["index_pools_after"] = after.get("index_pools")
@@ -87,12 +87,12 @@ def measure(srv: Server, a, name: str) -> dict:
     for ctx in a.contexts:
         out["tpot_bs1"][ctx] = tpot_ms(srv, ctx, a.output_len)
         print(name, ctx, out["tpot_bs1"][ctx], flush=True)
-    workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.concurrency),
-                 "random64": (random_ids(32768, a.output_len, 64), 16),
-                 "shared": (SHARED_PREFIX, 16)}
+    workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.prompts, a.concurrency),
+                 "random64": (random_ids(32768, a.output_len, 64), 64, 16),
+                 "shared": (SHARED_PREFIX, 32, 16)}
     for w in a.workloads:
-        dataset, conc = workloads[w]
-        out[w] = serve_bench(srv, dataset, conc, f"{a.out}.{name}.{w}.jsonl")
+        dataset, prompts, conc = workloads[w]
+        out[w] = serve_bench(srv, dataset, prompts, conc, f"{a.out}.{name}.{w}.jsonl")
         print(name, w, out[w], flush=True)
     out["stats"] = srv.stats()
     return out
