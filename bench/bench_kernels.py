@@ -173,6 +173,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--skip-flashinfer", action="store_true")
+    ap.add_argument("--selection-batches", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--selection-only", action="store_true", help="only the selection rows (kernels/select.py)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "shape": {"q_heads": HQ, "kv_heads": H, "head_dim": D, "dtype": "bf16"}, "decode": [], "selection": [],
@@ -184,6 +186,21 @@ def main():
 
     torch.manual_seed(0)
     for ctx in a.contexts:
+        if a.selection_only:
+            for bs in a.selection_batches:
+                fused, layer, fused_g, layer_g = fused_selection_ms(bs, ctx, 1024)
+                k = torch.randn(bs * ctx + 1, H, D, device="cuda", dtype=torch.bfloat16)
+                q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+                indptr = torch.arange(bs + 1, dtype=torch.int32, device="cuda") * ctx
+                indices = torch.arange(1, bs * ctx + 1, dtype=torch.int32, device="cuda")
+                dense = bench(dense_triton(q, k, k, indptr, indices))
+                del k
+                res["selection"].append({"ctx": ctx, "bs": bs, "fused_graph_ms": fused_g,
+                                         "sparse_layer_graph_ms": layer_g, "dense_triton_ms": dense,
+                                         "sparse_layer_over_dense": round(layer_g / dense, 3)})
+                print(json.dumps(res["selection"][-1]), flush=True)
+                save()
+            continue
         bmax = max(b for b in a.batches if b * ctx * H * D < 2 ** 31)
         k = torch.randn(bmax * ctx + 1, H, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -222,7 +239,7 @@ def main():
             save()
         del k, v
         torch.cuda.empty_cache()
-        for bs in (1, 8):
+        for bs in a.selection_batches:
             ms, L, P = selection_cost(bs, ctx, 1024)
             fused, layer, fused_g, layer_g = fused_selection_ms(bs, ctx, 1024)
             res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "torch_ms": ms,

@@ -32,8 +32,8 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--mem-fraction-static", "0.8", "--max-running-requests", "16", "--cuda-graph-max-bs", "16",
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
-DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "index_pool_full", "dense_fallback_steps",
-          "decode_prepare_s", "index_build_s")
+DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
+          "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs")
 
 
 def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
@@ -58,6 +58,9 @@ def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int,
     after = srv.stats()
     out["plugin"] = {k: after[k] - before.get(k, 0) for k in DELTAS if k in after}
     out["index_pools_after"] = after.get("index_pools")
+    steps = out["plugin"].get("sparse_steps", 0) + out["plugin"].get("dense_steps", 0)
+    if steps:
+        out["host_ms_per_decode_step"] = round(1000 * out["plugin"]["decode_prepare_s"] / steps, 3)
     return out
 
 
@@ -98,6 +101,18 @@ def measure(srv: Server, a, name: str) -> dict:
     return out
 
 
+def ratios(dense: dict, lychee: dict) -> dict:
+    """Lychee over dense for one workload (throughput: higher is better; latencies: lower is better)."""
+    def r(k):
+        return round(lychee[k] / dense[k], 3) if dense.get(k) and lychee.get(k) is not None else None
+
+    return {"throughput_ratio": r("output_throughput"), "median_tpot_ratio": r("median_tpot_ms"),
+            "median_itl_ratio": r("median_itl_ms"), "mean_ttft_ratio": r("mean_ttft_ms"),
+            "lychee_host_ms_per_decode_step": lychee.get("host_ms_per_decode_step"),
+            "lychee_decode_host_syncs": lychee.get("plugin", {}).get("decode_host_syncs"),
+            "errors": {"dense": dense["errors"], "lychee": lychee["errors"]}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -115,7 +130,10 @@ def main():
     a = ap.parse_args()
     import torch
 
-    res = {"device": torch.cuda.get_device_name(), "model": "Llama-3.1-8B shape, dummy weights",
+    import sglang
+
+    res = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
+           "model": "Llama-3.1-8B shape, dummy weights",
            "settings": {k: v for k, v in vars(a).items() if k != "out"},
            "server_args": COMMON + ["--attention-backend", a.backend]}
     for name in a.methods:
@@ -132,10 +150,14 @@ def main():
         res["tpot_ratio_lychee_over_dense"] = {
             ctx: round(s["tpot_bs1"][ctx]["tpot_ms"] / d["tpot_bs1"][ctx]["tpot_ms"], 3)
             for ctx in d["tpot_bs1"]}
+        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64")):
+            if w in d and w in s:
+                res[key] = ratios(d[w], s[w])
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
-        print(json.dumps({k: res[k] for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
-                                              "tpot_ratio_lychee_over_dense")}))
+        print(json.dumps({k: res.get(k) for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
+                                                  "tpot_ratio_lychee_over_dense", "shared_prefix", "random_ids",
+                                                  "random64")}))
 
 
 if __name__ == "__main__":

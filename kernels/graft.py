@@ -77,16 +77,19 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
     tl.store(KFine + layer * s_kl + row * H + h, best_i)
 
 
-def graft_chunks(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows) -> None:
+def graft_chunks(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows, starts) -> None:
     """Graft one chunk per job into ``pools`` (sgl_sparsekv.index_pool.IndexPools), every layer and head.
 
-    summary: [layers, U, H, 1, d] unit summaries (the chunk keys); units/lengths: the chunks' unit ids and
-    token counts; fo/ln/co: each job's request ranges (fine offset and count, coarse offset); rows: the
-    chunk-pool row each chunk is recorded at. All int32 [jobs] tensors on the pools' device.
+    summary: [layers, U, H, 1, d] unit summaries (the chunk keys); units/lengths/starts: the chunks' unit ids,
+    token counts and first positions; fo/ln/co: each job's request ranges (fine offset and count, coarse
+    offset); rows: the chunk-pool row each chunk is recorded at. All int32 [jobs] tensors on the pools'
+    device, so nothing here waits for the GPU.
     """
     n = units.shape[0]
     if n == 0:
         return
+    pools.kstart[rows.long()] = starts
+    pools.klen[rows.long()] = lengths
     Ls, F, H, D = pools.fmu.shape
     _graft_kernel[(n, Ls * H)](
         summary, units, lengths, fo, ln, co, rows,

@@ -9,12 +9,12 @@ side); request ``b`` of the batch owns rows ``[off[b], off[b] + count[b])`` of e
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
 ``select_fine`` follows sgl_sparsekv/select.py exactly, ties included: coarse units are expanded in
-bound order while the tokens before them stay under ``expand * budget``; the expanded units' fine
-clusters are taken in bound order while the running token count stays within the budget. Both cuts
-are computed by counting, for each node, the tokens of the nodes ranked before it (pairwise, ties by
-lower index, as a stable sort would), so no sort and no host step is needed. Fine clusters are stored
-grouped by parent (``build_index`` orders them so), which makes the live set of a step a few
-contiguous runs: blocks without a live cluster are skipped.
+bound order while the tokens before them stay under ``expand * budget`` (at most ``max_coarse`` units:
+counted pairwise, ties by lower index, as a stable sort would); the expanded units' fine clusters are
+taken in bound order while the running token count stays within the budget. That second cut is found
+without sorting, in one program per (request, KV head): a bisection over order-preserving integer keys
+of the bounds finds the bound of the first cluster that overflows, in 33 passes over registers, so its
+cost grows with the clusters, not with their square.
 
 ``emit_tokens`` then writes each (request, KV head)'s KV slots: the sink, the selected chunks' tokens
 outside the recent window, and the recent window, into a fixed window of ``cap`` entries. Requests
@@ -28,148 +28,202 @@ import triton
 import triton.language as tl
 
 NEG = tl.constexpr(float("-inf"))
+CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (~190K tokens) is cut in registers
 
 
 @triton.jit
-def _group_query(Q, pid, stride_qb, stride_qh, H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(request, KV head) of a program and that GQA group's queries [BLOCK_G, BLOCK_D] in fp32."""
+def _bounds(Qg, stride_qh, mu, r, offs_d, dmask, G: tl.constexpr):
+    """Upper bound of each node for a GQA group: max over its query heads of q.mu + |q| r, in fp32 FMAs (no
+    tensor-core tile padding a group of 4 heads to 16 rows). Qg: the group's first query head."""
+    mu = mu.to(tl.float32)
+    best = tl.zeros_like(r) + NEG
+    for g in tl.static_range(G):
+        q = tl.load(Qg + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(mu * q[None, :], 1) + tl.sqrt(tl.sum(q * q, 0)) * r)
+    return best
+
+
+@triton.jit
+def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, stride_qb, stride_qh, stride_cm,
+                          H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_P: tl.constexpr):
+    """Per (request, KV head): which coarse units are expanded (P <= BLOCK_P), by counting for each unit the
+    tokens of the units ranked before it."""
+    pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_g < G)[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
-    return b, h, q
-
-
-@triton.jit
-def _bounds(q, mu, r, G: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Upper bound of each node for the group: max over its query heads of q.mu + |q| r."""
-    qn = tl.sqrt(tl.sum(q * q, 1))
-    s = tl.dot(q, tl.trans(mu.to(tl.float32)), input_precision="ieee") + qn[:, None] * r[None, :]
-    return tl.max(tl.where((tl.arange(0, BLOCK_G) < G)[:, None], s, NEG), 0)
-
-
-@triton.jit
-def _fine_bounds_kernel(Q, CMu, CR, CTok, CFirst, CNum, FMu, FR, FPar, Co, Pn, Fo, Ln, Budget, Scratch, Runs, Bnd,
-                        expand, stride_qb, stride_qh, stride_cm, stride_fm,
-                        H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    b, h, q = _group_query(Q, pid, stride_qb, stride_qh, H, G, BLOCK_G, D, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     budget = tl.load(Budget + b).to(tl.float32)
     co = tl.load(Co + b).to(tl.int64)
     P = tl.load(Pn + b)
-    fo = tl.load(Fo + b).to(tl.int64)
-    L = tl.load(Ln + b)
-
-    # coarse expansion (P <= BLOCK_P), recomputed by every part: tokens of the units ranked before each
     offs_p = tl.arange(0, BLOCK_P)
     pmask = offs_p < P
     mu = tl.load(CMu + (co + offs_p)[:, None] * stride_cm + h * D + offs_d[None, :],
                  mask=pmask[:, None] & dmask[None, :], other=0.0)
     r = tl.load(CR + (co + offs_p) * H + h, mask=pmask, other=NEG)
     tok = tl.load(CTok + (co + offs_p) * H + h, mask=pmask, other=0.0)
-    ub = tl.where(pmask & (r > NEG), _bounds(q, mu, r, G, BLOCK_G), NEG)
+    ub = tl.where(pmask & (r > NEG), _bounds(Q + b * stride_qb + h * G * stride_qh, stride_qh, mu, r, offs_d,
+                                             dmask, G), NEG)
     before = (ub[None, :] > ub[:, None]) | ((ub[None, :] == ub[:, None]) & (offs_p[None, :] < offs_p[:, None]))
     tok_before = tl.sum(tl.where(before, tok[None, :], 0.0), 1)
     expanded = (tok_before < expand * budget) & (ub > NEG)
-    scratch = Scratch + (pid * PARTS + part) * BLOCK_P
-    tl.store(scratch + offs_p, expanded.to(tl.int32))
-    tl.debug_barrier()
-    if part == 0:
-        # children of consecutive expanded units are one run of rows: the cut kernel walks only these runs
-        prev = tl.load(scratch + offs_p - 1, mask=pmask & (offs_p > 0), other=0) > 0
-        nxt = tl.load(scratch + offs_p + 1, mask=(offs_p + 1) < P, other=0) > 0
-        is_start = expanded & ~prev
-        is_end = expanded & ~nxt
-        first = tl.load(CFirst + (co + offs_p) * H + h, mask=pmask, other=0)
-        num = tl.load(CNum + (co + offs_p) * H + h, mask=pmask, other=0)
-        runs = Runs + pid * (2 * BLOCK_P + 1)
-        tl.store(runs + 1 + tl.cumsum(is_start.to(tl.int32), 0) - 1, first, mask=is_start)
-        tl.store(runs + 1 + BLOCK_P + tl.cumsum(is_end.to(tl.int32), 0) - 1, first + num, mask=is_end)
-        tl.store(runs, tl.sum(is_start.to(tl.int32), 0))
+    tl.store(Expanded + pid * BLOCK_P + offs_p, expanded.to(tl.int8))
 
+
+@triton.jit
+def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, stride_qb, stride_qh, stride_fm,
+                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
+    """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others); PARTS programs per
+    (request, KV head) split the clusters."""
+    pid = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    fo = tl.load(Fo + b).to(tl.int64)
+    L = tl.load(Ln + b)
+    Qg = Q + b * stride_qb + h * G * stride_qh
     for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
         offs_l = blk + tl.arange(0, BLOCK_L)
         lmask = offs_l < L
         par = tl.load(FPar + (fo + offs_l) * H + h, mask=lmask, other=0)
         fr = tl.load(FR + (fo + offs_l) * H + h, mask=lmask, other=NEG)
-        live = (tl.load(scratch + par, mask=lmask, other=0) > 0) & lmask & (fr > NEG)
+        live = (tl.load(Expanded + pid * BLOCK_P + par, mask=lmask, other=0) > 0) & lmask & (fr > NEG)
         fub = tl.full([BLOCK_L], NEG, tl.float32)
         if tl.max(live.to(tl.int32), 0) > 0:
             fmu = tl.load(FMu + (fo + offs_l)[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0.0)
-            fub = tl.where(live, _bounds(q, fmu, fr, G, BLOCK_G), NEG)
+            fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, offs_d, dmask, G), NEG)
         tl.store(Bnd + (fo + offs_l) * H + h, fub, mask=lmask)
 
 
 @triton.jit
-def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Runs, Sel, H: tl.constexpr, BLOCK_P: tl.constexpr,
-                BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PARTS: tl.constexpr):
+def _order_key(ub):
+    """int64 keys that order like the float bounds (-0.0 counts as 0.0, as in a float sort)."""
+    bits = (ub + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _mass_from(Bnd, FTok, fo, L, h, v, H: tl.constexpr, BLOCK: tl.constexpr):
+    """Tokens of the live clusters whose key is >= v."""
+    total = 0.0
+    for blk in range(0, L, BLOCK):
+        offs = blk + tl.arange(0, BLOCK)
+        m = offs < L
+        ub = tl.load(Bnd + (fo + offs) * H + h, mask=m, other=NEG)
+        tok = tl.load(FTok + (fo + offs) * H + h, mask=m, other=0.0)
+        total += tl.sum(tl.where((ub > NEG) & (_order_key(ub) >= v), tok, 0.0), 0)
+    return total
+
+
+@triton.jit
+def _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr):
+    """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers."""
+    one = tl.arange(0, BLOCK)
+    m = one < L
+    ub = tl.load(Bnd + (fo + one) * H + h, mask=m, other=NEG)
+    tok = tl.load(FTok + (fo + one) * H + h, mask=m, other=0.0)
+    live = ub > NEG
+    key = _order_key(ub)
+    lo = tl.min(tl.where(live, key, 1 << 40), 0)
+    hi = tl.max(tl.where(live, key, -(1 << 40)), 0) + 1
+    total = tl.sum(tl.where(live, tok, 0.0), 0)
+    # invariant: mass(key >= lo) > budget >= mass(key >= hi)
+    for _ in range(33):
+        mid = lo + (hi - lo) // 2
+        over = tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
+        go = hi - lo > 1
+        lo = tl.where(go & over, mid, lo)
+        hi = tl.where(go & ~over, mid, hi)
+    lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
+    above = tl.sum(tl.where(live & (key > lo), tok, 0.0), 0)
+    tie = live & (key == lo)
+    run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
+    take = live & ((key > lo) | (tie & (run <= budget)))
+    tl.store(Sel + (fo + one) * H + h, take.to(tl.float32), mask=m)
+
+
+@triton.jit
+def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, H: tl.constexpr, BLOCK: tl.constexpr):
+    """Take the live clusters in bound order (ties: lower index first) while the running token count stays
+    within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
+    over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
+    program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory."""
     pid = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
     b = pid // H
     h = pid % H
     budget = tl.load(Budget + b).to(tl.float32)
     fo = tl.load(Fo + b).to(tl.int64)
     L = tl.load(Ln + b)
-    runs = Runs + pid * (2 * BLOCK_P + 1)
-    n_runs = tl.load(runs)
-    for iblk in range(part * BLOCK_I, L, PARTS * BLOCK_I):
-        offs_i = iblk + tl.arange(0, BLOCK_I)
-        imask = offs_i < L
-        ub_i = tl.load(Bnd + (fo + offs_i) * H + h, mask=imask, other=NEG)
-        tok_i = tl.load(FTok + (fo + offs_i) * H + h, mask=imask, other=0.0)
-        acc = tl.zeros([BLOCK_I], tl.float32)
-        if tl.max(ub_i, 0) > NEG:
-            # only live clusters can rank before a live one: walk the runs of the expanded units' children
-            for r in range(0, n_runs):
-                lo = tl.load(runs + 1 + r)
-                hi = tl.load(runs + 1 + BLOCK_P + r)
-                for jblk in range(lo, hi, BLOCK_J):
-                    offs_j = jblk + tl.arange(0, BLOCK_J)
-                    jmask = offs_j < hi
-                    ub_j = tl.load(Bnd + (fo + offs_j) * H + h, mask=jmask, other=NEG)
-                    tok_j = tl.load(FTok + (fo + offs_j) * H + h, mask=jmask, other=0.0)
-                    before = (ub_j[None, :] > ub_i[:, None]) | (
-                        (ub_j[None, :] == ub_i[:, None]) & (offs_j[None, :] < offs_i[:, None]))
-                    before = before & (ub_j > NEG)[None, :]
-                    acc += tl.sum(tl.where(before, tok_j[None, :], 0.0), 1)
-        take = (ub_i > NEG) & (acc + tok_i <= budget)
-        tl.store(Sel + (fo + offs_i) * H + h, take.to(tl.float32), mask=imask)
+    one = tl.arange(0, BLOCK)
+    if L <= BLOCK // 4:
+        _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H, BLOCK // 4)
+    elif L <= BLOCK:
+        _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H, BLOCK)
+    else:
+        lo = tl.full([], 1 << 40, tl.int64)
+        hi = tl.full([], -(1 << 40), tl.int64)
+        for blk in range(0, L, BLOCK):
+            offs = blk + one
+            ub = tl.load(Bnd + (fo + offs) * H + h, mask=offs < L, other=NEG)
+            key = _order_key(ub)
+            lo = tl.minimum(lo, tl.min(tl.where(ub > NEG, key, 1 << 40), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(ub > NEG, key, -(1 << 40)), 0))
+        hi += 1
+        total = _mass_from(Bnd, FTok, fo, L, h, lo, H, BLOCK)
+        for _ in range(33):
+            mid = lo + (hi - lo) // 2
+            if hi - lo > 1:
+                if _mass_from(Bnd, FTok, fo, L, h, mid, H, BLOCK) > budget:
+                    lo = mid
+                else:
+                    hi = mid
+        if total <= budget:
+            lo -= 1
+        above = _mass_from(Bnd, FTok, fo, L, h, lo + 1, H, BLOCK)
+        for blk in range(0, L, BLOCK):
+            offs = blk + one
+            m = offs < L
+            ub = tl.load(Bnd + (fo + offs) * H + h, mask=m, other=NEG)
+            tok = tl.load(FTok + (fo + offs) * H + h, mask=m, other=0.0)
+            live = ub > NEG
+            key = _order_key(ub)
+            tie = live & (key == lo)
+            run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
+            take = live & ((key > lo) | (tie & (run <= budget)))
+            tl.store(Sel + (fo + offs) * H + h, take.to(tl.float32), mask=m)
+            above += tl.sum(tl.where(tie, tok, 0.0), 0)
 
 
 def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None):
+                out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK):
     """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows; other rows are untouched.
 
-    coarse = (mu [C,H,d], r [C,H], tok [C,H], first [C,H], num [C,H]): first/num are the local row range of a
-    unit's fine clusters (they are stored grouped by parent, see :func:`coarse_ranges`);
-    fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32); co/pn/fo/ln/budget: [bs] int32 per batch row. ``out`` = (bounds, sel), both [F, H] float32, and
-    ``parts`` programs per (request, KV head) split the clusters.
+    coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
+    co/pn/fo/ln/budget: [bs] int32 per batch row. ``out`` = (bounds, sel), both [F, H] float32; ``parts``
+    programs per (request, KV head) split the clusters' bounds. Requests with more than ``cut_block`` fine
+    clusters are cut in passes over memory instead of registers.
     """
     bs, Hq, D = q.shape
-    cmu, cr, ctok, cfirst, cnum = coarse
+    cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
     H = cmu.shape[1]
     G = Hq // H
     BLOCK_P = max(16, triton.next_power_of_2(max_coarse))
+    BLOCK_D = triton.next_power_of_2(D)
     bnd, sel = out if out is not None else (torch.empty(fr.shape, dtype=torch.float32, device=q.device),
                                             torch.empty(fr.shape, dtype=torch.float32, device=q.device))
-    scratch = torch.empty(bs * H * parts * BLOCK_P, dtype=torch.int32, device=q.device)
-    runs = torch.empty(bs * H * (2 * BLOCK_P + 1), dtype=torch.int32, device=q.device)
-    _fine_bounds_kernel[(bs * H, parts)](
-        q, cmu, cr, ctok, cfirst, cnum, fmu, fr, fpar, co, pn, fo, ln, budget, scratch, runs, bnd, float(expand),
-        q.stride(0), q.stride(1), cmu.stride(0), fmu.stride(0),
-        H=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), D=D, BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
-    _cut_kernel[(bs * H, parts)](bnd, ftok, fo, ln, budget, runs, sel, H=H, BLOCK_P=BLOCK_P, BLOCK_I=64, BLOCK_J=128,
-                                 PARTS=parts)
+    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device=q.device)
+    _coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, budget, expanded, float(expand), q.stride(0),
+                                     q.stride(1), cmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
+    _fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, q.stride(0), q.stride(1),
+                                         fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P,
+                                         BLOCK_L=32, PARTS=parts)
+    _cut_kernel[(bs * H,)](bnd, ftok, fo, ln, budget, sel, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
 
@@ -273,15 +327,6 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
     return lens, windows
 
 
-def coarse_ranges(fine_parent: torch.Tensor, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fine_parent [H, L] sorted per head -> (first [H, P], num [H, P]) int32: each unit's children rows."""
-    units = torch.arange(P, device=fine_parent.device).expand(fine_parent.shape[0], -1).contiguous()
-    parent = fine_parent.contiguous()
-    lo = torch.searchsorted(parent, units)
-    hi = torch.searchsorted(parent, units, right=True)
-    return lo.to(torch.int32), (hi - lo).to(torch.int32)
-
-
 def pack(indexes, chunk_starts, chunk_lens, device):
     """Host-side packing of per-request ClusterIndex objects into node pools (tests and benchmarks).
 
@@ -296,11 +341,9 @@ def pack(indexes, chunk_starts, chunk_lens, device):
         P, L, M = ix.coarse_r.shape[1], ix.fine_r.shape[1], ix.chunk_fine.shape[1]
         co.append(c); pn.append(P); fo.append(f); ln.append(L); ko.append(k); mn.append(M)
         c, f, k = c + P, f + L, k + M
-    ranges_ = [coarse_ranges(ix.fine_parent, ix.coarse_r.shape[1]) for ix in indexes]
     coarse = (cat([ix.coarse_mu.transpose(0, 1) for ix in indexes]).contiguous(),
               cat([ix.coarse_r.T for ix in indexes]).contiguous(),
-              cat([ix.coarse_tokens.T for ix in indexes]).contiguous(),
-              cat([f.T for f, _ in ranges_]).contiguous(), cat([n.T for _, n in ranges_]).contiguous())
+              cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
     fine = (cat([ix.fine_mu.transpose(0, 1) for ix in indexes]).contiguous(),
             cat([ix.fine_r.T for ix in indexes]).contiguous(),
             cat([ix.fine_tokens.T for ix in indexes]).contiguous(),

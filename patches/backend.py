@@ -44,6 +44,28 @@ def _boundary_table(runner, cfg: SparseKVConfig) -> BoundaryTable | None:
     return BoundaryTable.from_tokenizer(tok, runner.model_config.vocab_size)
 
 
+class ReqTokens:
+    """A request's token ids on the host by position (prompt, then output so far): what the scheduler already
+    holds, so cutting chunks never reads ``input_ids`` back from the device."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, req):
+        self.prompt, self.output = req.origin_input_ids, req.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, s: slice) -> list[int]:
+        n = len(self.prompt)
+        return list(self.prompt[s.start:min(s.stop, n)]) + list(self.output[max(s.start - n, 0):max(s.stop - n, 0)])
+
+
+def note_batch_requests(backend, reqs) -> None:
+    """Called as SGLang builds a ForwardBatch (patches/plugin.py): the batch's requests, for the host facts."""
+    backend.batch_reqs = reqs
+
+
 def watch_frees(manager: SparseKVManager, req_pool, allocator) -> None:
     """Tell ``manager`` about freed request rows and KV slots (it applies them at its next batch).
 
@@ -101,6 +123,8 @@ class SparseKVAttnBackend(AttentionBackend):
         self.decode_sparse = False
         self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
         self.pooled = self.active = self._big = None
+        self.batch_reqs = None   # the requests of the batch being prepared, from note_batch_requests
+        self.extend_rows = ([], [])   # the prefill's (request rows, prompt complete), for finish_extend
         if self.manager.pools is not None:
             self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
         self._last_log = 0.0
@@ -136,10 +160,17 @@ class SparseKVAttnBackend(AttentionBackend):
     def _prepare(self, forward_batch, bs: int, padded_bs: int | None = None):
         mode = forward_batch.forward_mode
         req_to_token = self.req_to_token_pool.req_to_token
+        reqs, self.batch_reqs = self.batch_reqs, None
         if mode.is_idle():
             self.plan = PoolPlan()
             return
-        rows = forward_batch.req_pool_indices[:bs].tolist()
+        if reqs is not None and len(reqs) == bs:
+            rows = [r.req_pool_idx for r in reqs]
+            tokens = [ReqTokens(r) for r in reqs]
+        else:   # a batch SGLang built without ForwardBatch.init_new: rows from the device, no chunk cuts this step
+            rows = forward_batch.req_pool_indices[:bs].tolist()
+            tokens = [None] * bs
+            self.manager.stats["decode_host_syncs"] += int(mode.is_decode())
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens)[:bs].tolist()
         if mode.is_decode() and self.pooled is not None:
@@ -149,21 +180,21 @@ class SparseKVAttnBackend(AttentionBackend):
                 if self._big is None or self._big.max_bs < bs:
                     self._big = PooledDecode(self.manager, max_bs=bs, q_heads=self.q_heads)
                 self.active = self._big
-            self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, forward_batch.input_ids[:bs],
-                                forward_batch.out_cache_loc[:bs], self.token_to_kv_pool.get_key_buffer)
+            self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
+                                self.token_to_kv_pool.get_key_buffer)
             self.manager.stats["sparse_steps" if any(map(self.manager.needs_sparse, seq_lens)) else "dense_steps"] += 1
             self.export_metrics()
         elif mode.is_decode():
-            self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, forward_batch.input_ids,
-                                                    forward_batch.out_cache_loc)
+            self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
             self.decode_sparse = any(self.manager.needs_sparse(s) for s in seq_lens)
             key = "sparse_steps" if self.decode_sparse else "dense_steps"
             self.manager.stats[key] += 1
             self.export_metrics()
         else:
             self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
-                                                    req_to_token, forward_batch.input_ids,
-                                                    forward_batch.out_cache_loc)
+                                                    req_to_token, tokens)
+            # the prompt is complete when the batch reaches its last token (else a chunked prefill goes on)
+            self.extend_rows = (rows, [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)])
             self._maybe_log()
 
     def export_metrics(self, force: bool = False) -> None:
@@ -180,6 +211,8 @@ class SparseKVAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self.manager.pool_layer(layer.layer_id, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.plan)
+        if layer.layer_id == self.manager.num_layers - 1:
+            self.manager.finish_extend(*self.extend_rows)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

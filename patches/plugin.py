@@ -55,6 +55,17 @@ def _sparse_backend(scheduler):
     return backend if hasattr(backend, "manager") else None
 
 
+def note_batch_requests(result, cls, batch, model_runner, *args, **kwargs):
+    """After SGLang builds a ForwardBatch from a ScheduleBatch: hand the batch's requests to our backend, which
+    reads request rows and token ids from them instead of from the device (a decode step never syncs)."""
+    backend = getattr(model_runner, "attn_backend", None)
+    if hasattr(backend, "manager"):
+        from sgl_sparsekv.patches.backend import note_batch_requests as note
+
+        note(backend, batch.reqs)
+    return result
+
+
 def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
     backend = _sparse_backend(scheduler)
     if backend is not None and isinstance(getattr(result, "internal_state", None), dict):
@@ -97,6 +108,7 @@ _HOOKS = {
     "server_args_init": (flags.server_args_init, HookType.AROUND),
     "wrap_attention_backend": (wrap_attention_backend, HookType.AROUND),
     "charge_index_memory": (charge_index_memory, HookType.AFTER),
+    "note_batch_requests": (note_batch_requests, HookType.AFTER),
     "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),
     "check_scheduler": (check_scheduler, HookType.AFTER),
     "on_scheduler_idle": (on_scheduler_idle, HookType.BEFORE),

@@ -17,6 +17,7 @@ import torch
 from sgl_sparsekv.kernels.select import emit_tokens, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager
+from sgl_sparsekv.transfer import to_device
 
 SPLITS = 8  # flash-decoding splits of a list
 
@@ -51,11 +52,11 @@ class PooledDecode:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
 
-    def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, input_ids, out_cache_loc,
-                k_buffers) -> None:
+    def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers) -> None:
+        """Host work of a decode step (no device read): tokens are the requests' host token ids."""
         m, cfg = self.manager, self.cfg
         t0 = time.perf_counter()
-        ranges = m.prepare_decode_pooled(rows, seq_lens, req_to_token, input_ids, out_cache_loc, k_buffers)
+        ranges = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
         table = [[0] * padded_bs for _ in self.fields]
         table[7] = [1] * padded_bs   # padding rows: one token of request row 0
@@ -70,8 +71,7 @@ class PooledDecode:
             m.stats["dense_fallback_steps"] += direct
         if DEBUG:
             check_table(table, len(rows), m.pools.capacity, req_to_token.shape)
-        dev = torch.tensor(table, dtype=torch.int32).pin_memory() if self.co.is_cuda else torch.tensor(table, dtype=torch.int32)
-        dev = dev.to(self.co.device, non_blocking=True)
+        dev = to_device(torch.tensor(table, dtype=torch.int32), self.co.device)
         for j, t in enumerate(self.fields):
             t[:padded_bs].copy_(dev[j])
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
@@ -83,7 +83,9 @@ class PooledDecode:
         cfg, n = self.cfg, bs * self.H
         coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
         r = slice(0, bs)
-        sel = select_fine(q, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
+        # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
+        qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
+        sel = select_fine(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
                           cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel))
         lens, windows = emit_tokens(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
                                     req_to_token, cfg.sink_tokens, cfg.recent_window, self.cap,

@@ -29,6 +29,7 @@ HOOK_TARGETS = {
     "wrap_attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend",
     "charge_index_memory":
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    "note_batch_requests": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "add_stats_to_internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "check_scheduler": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "on_scheduler_idle": "sglang.srt.managers.scheduler.Scheduler.on_idle",
@@ -53,6 +54,10 @@ GRAPH_RUNNER_CALLS = ("init_cuda_graph_state", "init_forward_metadata_out_graph"
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
                         "out_cache_loc", "input_ids", "extend_prefix_lens_cpu")
+
+# the request fields read from ScheduleBatch.reqs (set in Req.__init__)
+REQ = "sglang.srt.managers.schedule_batch.Req"
+REQ_FIELDS = ("origin_input_ids", "output_ids", "req_pool_idx")
 
 # instance attributes read or patched in the scheduler process
 RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "is_draft_worker", "req_to_token_pool",
@@ -93,6 +98,10 @@ def check_sglang() -> None:
     for m in GRAPH_RUNNER_CALLS:
         if f".{m}(" not in source:
             _fail(f"a call of AttentionBackend.{m} in {GRAPH_RUNNER}")
+    init = inspect.getsource(_resolve(REQ).__init__)
+    for f in REQ_FIELDS:
+        if f"self.{f} =" not in init and f"self.{f}: " not in init:
+            _fail(f"{REQ}.{f}")
     fields = {f.name for f in dataclasses.fields(_resolve(FORWARD_BATCH))}
     for f in FORWARD_BATCH_FIELDS:
         if f not in fields:

@@ -5,7 +5,7 @@ allocated once, at startup, and sized from the KV pool (see :func:`pool_capacity
 numbers are charged to SGLang's memory planning by ``patches/plugin.py``). A request owns one range
 of rows in each pool; its chunk range has room to grow, so grafting decoded chunks only writes rows.
 
-    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]  first/num [Ls, C, H] (its fine clusters' local rows)
+    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
@@ -23,7 +23,6 @@ import torch
 
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import ClusterIndex
-from sgl_sparsekv.kernels.select import coarse_ranges
 
 
 class RangeAllocator:
@@ -92,7 +91,7 @@ class PoolCapacity:
 
     def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
         node = heads * (head_dim * 4 + 3 * 4)              # mu, r, tok, n in fp32
-        per_layer = self.coarse * (node + heads * 8) + self.fine * (node + heads * 4) + self.chunks * heads * 4
+        per_layer = self.coarse * node + self.fine * (node + heads * 4) + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
 
@@ -121,8 +120,6 @@ class IndexPools:
         self.fmu, self.fr, self.ftok, self.fn = (f32(layers, cap.fine, heads, head_dim),
                                                  *(f32(layers, cap.fine, heads) for _ in range(3)))
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
-        self.cfirst = torch.zeros(layers, cap.coarse, heads, dtype=torch.int32, device=device)
-        self.cnum = torch.zeros(layers, cap.coarse, heads, dtype=torch.int32, device=device)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
         self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -142,18 +139,15 @@ class IndexPools:
         assert 0 <= rng.co and rng.co + rng.P <= cap.coarse, ("coarse range", rng)
         assert 0 <= rng.fo and rng.fo + rng.L <= cap.fine, ("fine range", rng)
         assert 0 <= rng.ko and rng.M <= rng.kcap and rng.ko + rng.kcap <= cap.chunks, ("chunk range", rng)
-        first = self.cfirst[:, rng.co:rng.co + rng.P]
-        num = self.cnum[:, rng.co:rng.co + rng.P]
         par = self.fpar[:, rng.fo:rng.fo + rng.L]
         kf = self.kfine[:, rng.ko:rng.ko + rng.M]
-        assert int(first.min()) >= 0 and int((first + num).max()) <= rng.L, ("coarse children", rng)
         assert int(par.min()) >= 0 and int(par.max()) < rng.P, ("fine parents", rng)
         if rng.M:
             assert int(kf.min()) >= 0 and int(kf.max()) < rng.L, ("chunk clusters", rng)
 
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
-        return ((self.cmu[l], self.cr[l], self.ctok[l], self.cfirst[l], self.cnum[l]),
+        return ((self.cmu[l], self.cr[l], self.ctok[l]),
                 (self.fmu[l], self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
 
@@ -171,9 +165,8 @@ class IndexPools:
         if rng is None:
             return None
         c, f, k = slice(rng.co, rng.co + P), slice(rng.fo, rng.fo + L), slice(rng.ko, rng.ko + M)
-        first, num = coarse_ranges(ix.fine_parent, P)
         for dst, src in ((self.cmu, ix.coarse_mu), (self.cr, ix.coarse_r), (self.ctok, ix.coarse_tokens),
-                         (self.cn, ix.coarse_n), (self.cfirst, first), (self.cnum, num)):
+                         (self.cn, ix.coarse_n)):
             dst[:, c] = self._split(src)
         for dst, src in ((self.fmu, ix.fine_mu), (self.fr, ix.fine_r), (self.ftok, ix.fine_tokens),
                          (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
@@ -192,8 +185,9 @@ class IndexPools:
                             coarse_mu=j(self.cmu[:, c]), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
                             coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
 
-    def add_chunk(self, rng: PoolRanges, start: int, length: int) -> int | None:
-        """Reserve the next chunk row of a range (moving it to a bigger range when full); None if full."""
+    def add_chunk(self, rng: PoolRanges) -> int | None:
+        """Reserve the next chunk row of a range (moving it to a bigger range when full); None if full.
+        The graft kernel's launch (kernels/graft.py) writes the row's position and length."""
         if rng.M == rng.kcap:
             for size in (2 * rng.kcap, rng.kcap + 64):
                 new = self.alloc["chunks"].alloc(size)
@@ -210,8 +204,6 @@ class IndexPools:
             rng.ko, rng.kcap = new, size
         row = rng.ko + rng.M
         assert row < rng.ko + rng.kcap <= self.capacity.chunks, (row, rng)
-        self.kstart[row] = start
-        self.klen[row] = length
         rng.M += 1
         return row
 

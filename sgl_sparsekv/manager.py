@@ -2,19 +2,25 @@
 
     prefill  -> prepare_extend: cut the request's new tokens into units, reuse the prefix's units
     (layer)  -> pool_layer:     summarize the new units from the layer's freshly written keys
-    decode   -> prepare_decode: pack the decode buffer into a unit once its window is known
+    decode   -> prepare_decode: pack the decoded tokens into a unit once its window is known
     (layer)  -> pool_layer, then select: index (built on first use, grafted after) -> token mask
     free     -> request_freed / slots_freed: deferred, applied at the next batch
 
 On the GPU (``use_pools``) decode keeps every request's index in fixed device pools instead, so the
 per-layer work is static-shape kernels that a CUDA graph can hold:
 
-    decode   -> prepare_decode_pooled: cut, summarize new units for every layer, build or adopt the
-                index into the pools, graft new chunks (kernels/graft.py) -> per-request pool ranges
+    prefill  -> finish_extend: after the last layer, place the index of every request whose prompt is
+                complete (adopted from a shared prefix, or built), so decode steps never run a k-means
+    decode   -> prepare_decode_pooled: cut, summarize new units for every layer, graft new chunks
+                (kernels/graft.py) -> per-request pool ranges
     (layer)  -> kernels/select.py (select_fine, emit_tokens) and kernels/sparse_decode.py, in the backend
 
+A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
+scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
+of units cut at decode come back one step late (``transfer.LateRead``).
+
 It knows nothing of SGLang: the attention backend in ``sgl_sparsekv.patches`` feeds it batch
-facts (request pool rows, lengths, KV slots, token ids) and the per-layer KV buffers.
+facts (request pool rows, lengths, the requests' token ids) and the per-layer KV buffers.
 Frees arrive from the scheduler thread and are applied at the start of the next batch in the
 forward thread, so a batch never sees half-applied frees (SGLang may overlap scheduling with
 the forward pass).
@@ -28,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
@@ -40,6 +47,7 @@ from sgl_sparsekv.kernels.pool import pool_units
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.summary import summarize_units
+from sgl_sparsekv.transfer import LateRead, to_device
 
 
 @dataclass
@@ -64,24 +72,27 @@ class RequestState:
 
 @dataclass
 class PoolPlan:
-    """Units whose summaries this forward computes, and the KV slots of their tokens."""
+    """Units whose summaries this forward computes: (unit id, request row, start, end) token spans, whose KV
+    slots are gathered from ``req_to_token`` on the device."""
 
-    unit_ids: list[int] = field(default_factory=list)
-    slots: list[torch.Tensor] = field(default_factory=list)
+    req_to_token: torch.Tensor | None = None
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     _packed: tuple | None = None
 
-    def add(self, uid: int, slots: torch.Tensor) -> None:
-        self.unit_ids.append(uid)
-        self.slots.append(slots)
+    def add(self, uid: int, row: int, start: int, end: int) -> None:
+        self.spans.append((uid, row, start, end))
 
     def packed(self, device):
         """(unit ids, token slots, indptr) for summarize_units / kernels.pool.pool_units."""
         if self._packed is None:
-            ids = torch.tensor(self.unit_ids, dtype=torch.int64, device=device)
-            counts = torch.tensor([len(s) for s in self.slots], dtype=torch.int64, device=device)
-            indptr = torch.zeros(len(self.slots) + 1, dtype=torch.int32, device=device)
-            indptr[1:] = torch.cumsum(counts, 0)
-            self._packed = (ids, torch.cat(self.slots).to(device, torch.int32), indptr)
+            uid, row, start, end = np.array(self.spans, dtype=np.int64).T
+            counts = end - start
+            indptr = np.concatenate([[0], np.cumsum(counts)])
+            pos = np.arange(indptr[-1]) + np.repeat(start - indptr[:-1], counts)
+            n, t = len(uid), len(pos)
+            flat = to_device(torch.from_numpy(np.concatenate([uid, indptr, np.repeat(row, counts), pos])), device)
+            slots = self.req_to_token[flat[2 * n + 1:2 * n + 1 + t], flat[2 * n + 1 + t:]]
+            self._packed = (flat[:n], slots.to(torch.int32), flat[n:2 * n + 1].to(torch.int32))
         return self._packed
 
 
@@ -139,9 +150,11 @@ class SparseKVManager:
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
+        self._new_keys: list[tuple[int, int, int]] = []          # (unit, request row, key position) this step
+        self._late_keys: list[tuple[list[int], LateRead]] = []   # their key slots on the way to the host
         self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
                       "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0, "dense_fallback_steps": 0,
-                      "decode_prepare_s": 0.0, "index_build_s": 0.0}
+                      "decode_prepare_s": 0.0, "index_build_s": 0.0, "decode_host_syncs": 0}
 
     # ------------------------------------------------------------------ frees (any thread)
     def request_freed(self, req_pool_idx: int) -> None:
@@ -161,6 +174,8 @@ class SparseKVManager:
         with self._lock:
             reqs, slots, cleared = self._freed_reqs, self._freed_slots, self._cleared
             self._freed_reqs, self._freed_slots, self._cleared = [], [], False
+        # a freed slot may key a unit cut at decode: its key must be in place before the slot's free drops it
+        self._key_units(wait=bool(slots) or cleared)
         for idx in reqs:
             self._drop(idx)
         if slots:
@@ -186,32 +201,50 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ per batch (forward thread)
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
-                       req_to_token: torch.Tensor, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
+                       req_to_token: torch.Tensor, tokens: list) -> PoolPlan:
+        """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
         self.apply_frees()
-        self.store.set_tokens(out_cache_loc, input_ids)
-        plan = PoolPlan()
-        for idx, prefix, seq in zip(req_pool_indices, prefix_lens, seq_lens):
+        self._key_units(wait=True)   # a radix hit may reach units cut at decode
+        plan = PoolPlan(req_to_token)
+        for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
             state = self.states.get(idx)
             if state is None or state.seq_len != prefix:
                 # a new request (maybe with a radix hit), or a row reused after a free we never saw
                 self._drop(idx)
                 state = self.states[idx] = RequestState()
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
-            self._cut(state, req_to_token[idx], seq, plan)
+            state.seq_len = seq
+            self._cut(state, toks, idx, seq, plan, req_to_token)
         return plan
 
     def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                       input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> PoolPlan:
+                       tokens: list) -> PoolPlan:
+        """tokens: per request its token ids known on the host (under overlap scheduling the newest may not be
+        yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
+        device: the key slots of the units cut here come back one step late."""
         self.apply_frees()
-        self.store.set_tokens(out_cache_loc, input_ids)
-        plan = PoolPlan()
-        for idx, seq in zip(req_pool_indices, seq_lens):
+        self._key_units(wait=False)
+        plan = PoolPlan(req_to_token)
+        for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
             state = self.states.get(idx)
             if state is None:  # decode without a prefill we saw (e.g. a retracted request resumed)
                 state = self.states[idx] = RequestState()
                 self._adopt_prefix(state, req_to_token[idx, :seq - 1])
-            self._cut(state, req_to_token[idx], seq, plan)
+                self.stats["decode_host_syncs"] += 1
+            state.seq_len = seq
+            self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
+        if self._new_keys:
+            uids, rows, pos = zip(*self._new_keys)
+            at = to_device(torch.tensor([rows, pos], dtype=torch.int64), self.device)
+            self._late_keys.append((list(uids), LateRead(req_to_token[at[0], at[1]])))
+            self._new_keys = []
         return plan
+
+    def _key_units(self, wait: bool) -> None:
+        """Key the units cut at decode whose slots reached the host (all of them with ``wait``)."""
+        while self._late_keys and (wait or self._late_keys[0][1].ready()):
+            uids, read = self._late_keys.pop(0)
+            self.store.key(uids, read.get().tolist())
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         for uid in self.store.chain(slots, self.chunker.lookahead):
@@ -219,41 +252,49 @@ class SparseKVManager:
             state.starts.append(int(self.store.unit_start[uid]))   # host tensors: no device sync
             state.ends.append(int(self.store.unit_end[uid]))
 
-    def _cut(self, state: RequestState, row: torch.Tensor, seq_len: int, plan: PoolPlan) -> None:
-        """Cut every unit whose decision window lies inside the request's first ``seq_len`` tokens."""
+    def _cut(self, state: RequestState, tokens, row: int, known: int, plan: PoolPlan,
+             req_to_token: torch.Tensor | None = None) -> None:
+        """Cut every unit whose decision window lies inside the request's first ``known`` tokens.
+
+        With ``req_to_token`` (prefill) units are keyed by their key slots at once, which finds the units of a
+        cached prefix the radix match gave (one device read per request); without it (decode) they are new
+        units whose key slots are read back one step late.
+        """
         start = state.indexed_end
-        state.seq_len = seq_len
-        if seq_len - start < self.chunker.lookahead:
+        if tokens is None or known - start < self.chunker.lookahead:
             return
-        slots = row[start:seq_len].to("cpu", torch.int64)
+        ends = self.chunker.cuts(tokens[start:known]).tolist()
+        if not ends:
+            return
+        la = self.chunker.lookahead
+        slots = req_to_token[row, start:known].to("cpu", torch.int64).tolist() if req_to_token is not None else None
         prev = 0
-        for end in self.chunker.cuts(self.store.slot_token[slots]).tolist():
-            key_slot = int(slots[prev + self.chunker.lookahead - 1])  # last token the cut depended on
-            uid, fresh = self.store.add_or_reuse(start + prev, start + end, key_slot)
+        for end in ends:
+            a, b = start + prev, start + end
+            if slots is not None:
+                uid, fresh = self.store.add_or_reuse(a, b, slots[prev + la - 1])  # last token the cut depended on
+            else:
+                uid, fresh = self.store.add_unkeyed(a, b), True
+                self._new_keys.append((uid, row, a + la - 1))
             if fresh:
-                plan.add(uid, slots[prev:end])
+                plan.add(uid, row, a, b)
             state.units.append(uid)
-            state.starts.append(start + prev)
-            state.ends.append(start + end)
+            state.starts.append(a)
+            state.ends.append(b)
             prev = end
 
     # ------------------------------------------------------------------ pooled decode (GPU)
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                              input_ids: torch.Tensor, out_cache_loc: torch.Tensor, k_buffers) -> list[PoolRanges | None]:
+                              tokens: list, k_buffers) -> list[PoolRanges | None]:
         """Everything a decode step needs before its (graph-captured) layers run; per request its pool ranges.
 
         k_buffers(l) -> the key buffer of model layer ``l``: new units are summarized here, for every
         layer at once, because their tokens precede the step's token (their keys are all written).
         """
-        plan = self.prepare_decode(req_pool_indices, seq_lens, req_to_token, input_ids, out_cache_loc)
-        if plan.unit_ids:
-            for l in range(self.cfg.dense_layers, self.num_layers):
-                self.pool_layer(l, k_buffers(l), plan)
+        plan = self.prepare_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        self.pool_all_layers(k_buffers, plan)
         states = [self.states[idx] for idx in req_pool_indices]
-        for state in states:
-            if (state.pool is None and self.needs_sparse(state.seq_len) and state.units
-                    and state.unplaced_gen != self.pools.generation):
-                self._pool_index(state)
+        self._place(states)   # normally done when the prefill finished; here for requests that just passed the budget
         self._graft_pooled([s for s in states if s.pool is not None])
         if DEBUG:
             for s in states:
@@ -261,6 +302,23 @@ class SparseKVManager:
                     self.pools.check_range(s.pool)
                     assert s.pool.M == len(s.units), (s.pool, len(s.units))
         return [s.pool for s in states]
+
+    def finish_extend(self, req_pool_indices: list[int], complete: list[bool]) -> None:
+        """After the last layer of a prefill: place the index of every request whose prompt is complete, so
+        its first decode step finds it in the pools (a k-means never runs inside a decode step)."""
+        if self.pools is not None:
+            self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done])
+
+    def pool_all_layers(self, k_buffers, plan: PoolPlan) -> None:
+        if plan.spans:
+            for l in range(self.cfg.dense_layers, self.num_layers):
+                self.pool_layer(l, k_buffers(l), plan)
+
+    def _place(self, states: list[RequestState]) -> None:
+        for state in states:
+            if (state.pool is None and self.needs_sparse(state.seq_len) and state.units
+                    and state.unplaced_gen != self.pools.generation):
+                self._pool_index(state)
 
     def _pool_index(self, state: RequestState) -> None:
         """Bring a request's all-layer index into the pools: adopted from a shared prefix, or built."""
@@ -278,13 +336,11 @@ class SparseKVManager:
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
             ix = build_index_grouped(keys, lengths, self.cfg.fine_cluster_size, self.cfg.max_coarse,
                                      self.cfg.kmeans_iters)
-            if ix.fine_mu.is_cuda:
-                torch.cuda.synchronize()   # once per request: make the build time honest
             self.stats["index_builds"] += 1
             self.stats["index_build_s"] += time.perf_counter() - t0
             self.index_cache.add(state.units, lengths, ALL_LAYERS, ix)
         n = ix.num_chunks
-        starts = torch.tensor(state.starts[:n], dtype=torch.int32, device=self.device)
+        starts = to_device(torch.tensor(state.starts[:n], dtype=torch.int32), self.device)
         state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))
         if state.pool is None:
             self._unplaced(state)
@@ -308,7 +364,7 @@ class SparseKVManager:
                 if state.pool is None or state.pool.M >= len(state.units):
                     continue
                 i = state.pool.M
-                row = self.pools.add_chunk(state.pool, state.starts[i], state.ends[i] - state.starts[i])
+                row = self.pools.add_chunk(state.pool)
                 if row is None:
                     # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
                     self.index_cache.add(state.units[:i], self._lengths(state)[:i], ALL_LAYERS,
@@ -319,10 +375,10 @@ class SparseKVManager:
                     continue
                 assert 0 <= state.units[i] < self.store.capacity, (state.units[i], self.store.capacity)
                 jobs.append((state.units[i], state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
-                             state.pool.co, row))
+                             state.pool.co, row, state.starts[i]))
             if not jobs:
                 return
-            cols = torch.tensor(jobs, dtype=torch.int32).T.contiguous().to(self.device, non_blocking=True)
+            cols = to_device(torch.tensor(jobs, dtype=torch.int32).T.contiguous(), self.device)
             graft_chunks(self.pools, self.store.summary, *cols)
             self.stats["grafts"] += len(jobs)
 
@@ -335,7 +391,7 @@ class SparseKVManager:
 
     def pool_layer(self, layer_id: int, k_buffer: torch.Tensor, plan: PoolPlan) -> None:
         """Summaries of the plan's new units from this layer's keys (already written to the pool)."""
-        if not plan.unit_ids or not self.is_sparse_layer(layer_id):
+        if not plan.spans or not self.is_sparse_layer(layer_id):
             return
         ids, slots, indptr = plan.packed(self.device)
         summarize = pool_units if k_buffer.is_cuda else summarize_units
@@ -371,7 +427,7 @@ class SparseKVManager:
         return units_to_token_mask(unit_sel, starts, ends, S, sink, recent)
 
     def _lengths(self, state: RequestState) -> torch.Tensor:
-        return torch.tensor(state.ends, device=self.device) - torch.tensor(state.starts, device=self.device)
+        return to_device(torch.tensor(state.ends) - torch.tensor(state.starts), self.device)
 
     def _index(self, l: int, state: RequestState) -> ClusterIndex:
         """The request's index at sparse layer ``l``: adopted from a shared prefix or built, then grafted."""
@@ -411,7 +467,7 @@ class SparseKVManager:
                               + sum(ix.nbytes() for s in self.states.values() for ix in s.index.values()))
         out["cached_indexes"] = len(self.index_cache.entries)
         # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
-        held = (self.store.keyed_units + sum(len(e.units) for e in self.index_cache.entries.values())
+        held = (self.store.keyed_units + self.store.unkeyed + sum(len(e.units) for e in self.index_cache.entries.values())
                 + sum(len(s.units) for s in self.states.values()))
         out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
         if self.pools is not None:

@@ -31,7 +31,6 @@ class UnitStore:
         self.num_layers = num_layers
         self.dtype = dtype
         # bookkeeping lives on the host (read element by element); only summaries live on ``device``
-        self.slot_token = torch.zeros(num_slots, dtype=torch.int32)
         self.slot_unit = torch.full((num_slots,), -1, dtype=torch.int64)
         self.capacity = 0
         self.unit_start = torch.empty(0, dtype=torch.int64)
@@ -39,6 +38,7 @@ class UnitStore:
         self.refs = torch.empty(0, dtype=torch.int32)
         self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
         self._free: list[int] = []
+        self.unkeyed = 0   # units cut at decode whose key slot is still on its way back from the device
         self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
         # () -> bool: frees some unit held elsewhere (a cached index) before the store grows; False when none
         self.reclaim = None
@@ -98,6 +98,25 @@ class UnitStore:
         self.stats["units_built"] += 1
         return uid, True
 
+    def add_unkeyed(self, start: int, end: int) -> int:
+        """A new unit ``[start, end)`` whose key slot is not known on the host yet (cut at decode: the slot
+        comes back one step late, see :meth:`key`); one reference for the caller, one held for the slot."""
+        uid = self._alloc()
+        self.unit_start[uid], self.unit_end[uid] = start, end
+        self.refs[uid] = 2
+        self.unkeyed += 1
+        self.stats["units_built"] += 1
+        return uid
+
+    def key(self, uids: list[int], slots: list[int]) -> None:
+        """Key units from :meth:`add_unkeyed` by their key slots (the slot's reference was taken already)."""
+        for uid, slot in zip(uids, slots):
+            old = int(self.slot_unit[slot])
+            if old >= 0:   # a unit of another method or setting: the slot changes hands
+                self.release([old])
+            self.slot_unit[slot] = uid
+        self.unkeyed -= len(uids)
+
     def chain(self, slots: torch.Tensor, lookahead: int) -> list[int]:
         """Units reusable by a request whose first ``len(slots)`` tokens sit in ``slots``.
 
@@ -137,9 +156,6 @@ class UnitStore:
         if hit.any():
             self.slot_unit[slots[hit]] = -1
             self.release(ids[hit].tolist())
-
-    def set_tokens(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.slot_token[slots.to("cpu", torch.int64)] = token_ids.to("cpu", torch.int32)
 
     def clear(self) -> None:
         """Every slot was freed (cache flush). Units still used by live requests keep their reference."""

@@ -53,15 +53,16 @@ def test_pool_roundtrip_and_graft_kernel_matches_twin():
     summary = torch.nn.functional.normalize(torch.randn(Ls, 5, H, 1, d, generator=gen), dim=-1)
     ref = ix.clone()
     for uid, length in ((3, 9), (1, 16), (4, 12)):
-        row = pools.add_chunk(rng, 500 + uid, length)
+        row = pools.add_chunk(rng)
         graft(ref, summary[:, uid, :, 0].reshape(Ls * H, d), length)
-        cols = torch.tensor([[uid, length, rng.fo, rng.L, rng.co, row]], dtype=torch.int32).T.contiguous()
+        cols = torch.tensor([[uid, length, rng.fo, rng.L, rng.co, row, 500 + uid]], dtype=torch.int32).T.contiguous()
         graft_chunks(pools, summary, *cols)
     got = pools.export(rng)
     assert rng.kcap == 2 * (M + 2) and rng.M == M + 3
     for name, t in vars(ref).items():
         assert torch.allclose(getattr(got, name).to(t.dtype), t, atol=1e-5), name
     assert pools.klen[rng.ko + M:rng.ko + M + 3].tolist() == [9, 16, 12]
+    assert pools.kstart[rng.ko + M:rng.ko + M + 3].tolist() == [503, 501, 504]
 
 
 class TwinWorld(World):
@@ -80,13 +81,14 @@ class TwinWorld(World):
         row = req.req_pool_idx
         slots = self.req_pool.req_to_token[row, start:end].long()
         toks = torch.tensor(req.tokens[start:end])
-        plan = self.pooled.prepare_extend([row], [start], [end], self.req_pool.req_to_token, toks, slots)
+        plan = self.pooled.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
         for l in range(LAYERS):
             self.pooled.pool_layer(l, self.k[l], plan)
+        self.pooled.finish_extend([row], [end == len(req.tokens)])   # the index is placed when the prompt is done
 
     def append_tokens(self, reqs):
-        """Each request samples one token: its KV is written. -> (rows, lengths, token ids, KV slots)."""
-        rows, seqs, toks, slots = [], [], [], []
+        """Each request samples one token: its KV is written. -> (rows, lengths, host token ids)."""
+        rows, seqs = [], []
         for req in reqs:
             row, pos = req.req_pool_idx, len(req.tokens)
             tok = self.rng.randrange(64)
@@ -94,26 +96,25 @@ class TwinWorld(World):
             slot = self.take_slots(1)
             self.req_pool.req_to_token[row, pos] = int(slot[0])
             self.write_kv(slot, torch.tensor([tok]), torch.tensor([pos]))
-            rows.append(row); seqs.append(pos + 1); toks.append(tok); slots.append(int(slot[0]))
-        toks, slots = torch.tensor(toks), torch.tensor(slots)
-        return rows, seqs, toks, slots
+            rows.append(row); seqs.append(pos + 1)
+        return rows, seqs, [req.tokens for req in reqs]
 
     def decode_batch_unchecked(self, reqs):
         """One decode step of ``reqs`` through the pooled path only (no comparison): fills the decoder's windows."""
-        rows, seqs, toks, slots = self.append_tokens(reqs)
+        rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
-        self.decoder.prepare(rows, seqs, len(rows), r2t, toks, slots, lambda l: self.k[l])
+        self.decoder.prepare(rows, seqs, len(rows), r2t, toks, lambda l: self.k[l])
         q = torch.randn(len(rows), H * G, D, generator=self.qgen)
         self.decoder.attend(q, self.k[1], self.v[1], 0, r2t, D ** -0.5)
 
     def decode_batch(self, reqs):
-        rows, seqs, toks, slots = self.append_tokens(reqs)
+        rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
-        plan = self.manager.prepare_decode(rows, seqs, r2t, toks, slots)
+        plan = self.manager.prepare_decode(rows, seqs, r2t, toks)
         for l in range(LAYERS):
             self.manager.pool_layer(l, self.k[l], plan)
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
-        self.decoder.prepare(rows, seqs, padded, r2t, toks, slots, lambda l: self.k[l])
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
         cap, scale = self.cfg.token_budget, D ** -0.5
         for l in range(self.cfg.dense_layers, LAYERS):
             q = torch.randn(padded, H * G, D, generator=self.qgen)
@@ -163,15 +164,22 @@ def test_pooled_decode_equals_reference_under_radix_history(seed):
     # finishing everything returns every pool row
     for req in list(w.live):
         w.finish(req, abort=False)
-    w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+    w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, [])
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
 
 
 @pytest.mark.gpu
-def test_pooled_decode_real_shapes_and_cuda_graph_replay():
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
-    CUDA graph; every replay (with lengths, units and grafts changing) equals the torch reference."""
+    CUDA graph; every replay (with lengths, units and grafts changing) equals the torch reference.
+    ``no_sync``: every decode step's host work runs with CUDA's sync check set to raise (debug checks off, as
+    in serving): cutting, summarizing and grafting units never waits for the GPU."""
     from sgl_sparsekv.config import SparseKVConfig
+
+    if no_sync:
+        monkeypatch.setattr("sgl_sparsekv.manager.DEBUG", False)
+        monkeypatch.setattr("sgl_sparsekv.patches.pooled_decode.DEBUG", False)
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed"})
@@ -183,15 +191,16 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay():
     r2t = torch.zeros(4, 40_000, dtype=torch.int32, device=dev)
     ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
     pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_pools=True)
-    rows, nxt = [1, 2, 3], 1
+    rows, nxt, toks = [1, 2, 3], 1, []
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
         nxt += n
-        ids = torch.randint(0, 1000, (n,), device=dev)
+        toks.append(torch.randint(0, 1000, (n,)).tolist())
         for m in (ref, pooled):
-            plan = m.prepare_extend([row], [0], [n], r2t, ids, r2t[row, :n])
+            plan = m.prepare_extend([row], [0], [n], r2t, toks[-1:])
             for l in range(layers):
                 m.pool_layer(l, k[l], plan)
+            m.finish_extend([row], [True])
     dec = PooledDecode(pooled, max_bs=4, q_heads=Hk * Gq)
     q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
     outs = [torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16) for _ in range(1, layers)]
@@ -201,12 +210,15 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay():
         for i in range(3):
             r2t[rows[i], seqs[i]] = nxt + i
             seqs[i] += 1
-        toks = torch.randint(0, 1000, (3,), device=dev)
-        locs = torch.tensor([nxt + i for i in range(3)], device=dev)
-        plan = ref.prepare_decode(rows, seqs, r2t, toks, locs)
+            toks[i].append(i)
+        plan = ref.prepare_decode(rows, seqs, r2t, toks)
         for l in range(layers):
             ref.pool_layer(l, k[l], plan)
-        dec.prepare(rows, seqs, 4, r2t, toks, locs, lambda l: k[l])
+        torch.cuda.set_sync_debug_mode("error" if no_sync else 0)
+        try:
+            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
     def run_layers():
@@ -229,6 +241,9 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay():
                 want = sparse_decode(q[i], k[l], v[l], r2t[row, :seqs[i]], mask, d ** -0.5)
                 assert torch.allclose(outs[l - 1][i].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l, row)
     assert pooled.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
+    assert pooled.stats["decode_host_syncs"] == 0
+    pooled.prepare_extend([], [], [], r2t, [])   # the key slots of the units cut at decode all arrive
+    assert pooled.store.unkeyed == 0 and pooled.snapshot_stats()["unit_refs_unaccounted"] == 0
 
 
 def test_memory_charged_to_sglang_matches_what_is_allocated():
@@ -263,8 +278,8 @@ def test_full_pools_decode_densely_until_placed(monkeypatch):
     dense_seen, placed_after_dense = 0, set()
     for step in range(40):
         reqs = list(w.live)
-        rows, seqs, toks, slots = w.append_tokens(reqs)
-        w.decoder.prepare(rows, seqs, len(rows), r2t, toks, slots, lambda l: w.k[l])
+        rows, seqs, toks = w.append_tokens(reqs)
+        w.decoder.prepare(rows, seqs, len(rows), r2t, toks, lambda l: w.k[l])
         q = torch.randn(len(rows), H * G, D, generator=w.qgen)
         out = w.decoder.attend(q, w.k[1], w.v[1], 0, r2t, scale)
         for i, (row, S) in enumerate(zip(rows, seqs)):
@@ -283,7 +298,7 @@ def test_full_pools_decode_densely_until_placed(monkeypatch):
     assert placed_after_dense, "a request that decoded densely never got its index placed"
     for req in list(w.live):
         w.finish(req, abort=False)
-    m.prepare_extend([], [], [], r2t, torch.zeros(0), torch.zeros(0))
+    m.prepare_extend([], [], [], r2t, [])
     assert all(a.free_rows == a.capacity for a in m.pools.alloc.values())
     assert m.snapshot_stats()["unit_refs_unaccounted"] == 0
 
@@ -333,9 +348,10 @@ def test_graft_past_int32_offsets():
     for uid in (U - 1, U - 2):
         summary[:, uid] = torch.nn.functional.normalize(torch.randn(Ls, Hk, 1, d, device=dev, generator=gen),
                                                         dim=-1).to(summary.dtype)
-        row = pools.add_chunk(rng, 10_000 + uid, 12)
+        row = pools.add_chunk(rng)
         graft(ref, summary[:, uid, :, 0].float().reshape(Ls * Hk, d), 12)
-        cols = torch.tensor([[uid, 12, rng.fo, rng.L, rng.co, row]], dtype=torch.int32, device=dev).T.contiguous()
+        cols = torch.tensor([[uid, 12, rng.fo, rng.L, rng.co, row, 10_000]], dtype=torch.int32,
+                            device=dev).T.contiguous()
         graft_chunks(pools, summary, *cols)
     torch.cuda.synchronize()
     got = pools.export(rng)
@@ -366,7 +382,7 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
         nxt += n
-        plan = m.prepare_extend([row], [0], [n], r2t, torch.randint(0, 1000, (n,), device=dev), r2t[row, :n])
+        plan = m.prepare_extend([row], [0], [n], r2t, [[0] * n])
         for l in range(layers):
             m.pool_layer(l, k[l], plan)
     dec = PooledDecode(m, max_bs=4, q_heads=Hk * Gq)
@@ -380,9 +396,8 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
             r2t[rows[i], seqs[i]] = nxt
             seqs[i] += 1
             nxt += 1
-        locs = torch.tensor([int(r2t[rows[i], seqs[i] - 1]) for i in live], device=dev)
-        dec.prepare([rows[i] for i in live], [seqs[i] for i in live], 4, r2t,
-                    torch.randint(0, 1000, (len(live),), device=dev), locs, lambda l: k[l])
+        dec.prepare([rows[i] for i in live], [seqs[i] for i in live], 4, r2t, [[0] * seqs[i] for i in live],
+                    lambda l: k[l])
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
     step([0, 1])

@@ -72,7 +72,8 @@ class World:
         self.req_pool.req_to_token[row, start:end] = slots.to(torch.int32)
         toks = torch.tensor(req.tokens[start:end])
         self.write_kv(slots, toks, torch.arange(start, end))
-        plan = self.manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, toks, slots)
+        plan = self.manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
+        req.decoded = 0
         for l in range(LAYERS):
             self.manager.pool_layer(l, self.k[l], plan)
 
@@ -83,7 +84,8 @@ class World:
         slots = self.take_slots(1)
         self.req_pool.req_to_token[row, pos] = int(slots[0])
         self.write_kv(slots, torch.tensor([tok]), torch.tensor([pos]))
-        plan = self.manager.prepare_decode([row], [pos + 1], self.req_pool.req_to_token, torch.tensor([tok]), slots)
+        plan = self.manager.prepare_decode([row], [pos + 1], self.req_pool.req_to_token, [req.tokens])
+        req.decoded = 1
         for l in range(LAYERS):
             self.manager.pool_layer(l, self.k[l], plan)
             if l >= self.cfg.dense_layers and pos + 1 > self.cfg.token_budget:
@@ -158,13 +160,13 @@ class World:
 
     def check_live_requests(self):
         """Each live request's units are its own chain, with summaries of its own tokens."""
-        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, [])
         store = self.manager.store
         for req in self.live:
             st = self.manager.states[req.req_pool_idx]
             row = self.req_pool.req_to_token[req.req_pool_idx]
             chunker = self.manager.chunker
-            n = st.seq_len
+            n = st.seq_len - req.decoded   # a decode step cuts from the tokens before its own
             assert st.ends == Chunker.cuts(chunker, np.array(req.tokens[:n])).tolist()
             for uid, s, e in zip(st.units, st.starts, st.ends):
                 assert (int(store.unit_start[uid]), int(store.unit_end[uid])) == (s, e)
@@ -189,7 +191,7 @@ class World:
 
     def check_against_rebuild(self):
         assert not self.live
-        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, torch.zeros(0), torch.zeros(0))
+        self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, [])
         self.manager.index_cache.clear()  # cached indexes hold unit references of their own
         store = self.manager.store
         snap = store.snapshot()

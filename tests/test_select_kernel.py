@@ -4,20 +4,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index
+from sgl_sparsekv.index import build_index, upper_bound
 from sgl_sparsekv.kernels.select import emit_tokens, pack, select_fine
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_batch(bs, H, G, D, chunks_per_req, gen):
+def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0):
     indexes, starts, lens, qs = [], [], [], []
     for b in range(bs):
         M = chunks_per_req[b]
         centers = torch.randn(H, 5, D, generator=gen) * 2
         pick = torch.randint(0, 5, (H, M), generator=gen)
-        keys = F.normalize(centers.gather(1, pick[..., None].expand(-1, -1, D)) + torch.randn(H, M, D, generator=gen),
+        keys = F.normalize(centers.gather(1, pick[..., None].expand(-1, -1, D)) + noise * torch.randn(H, M, D, generator=gen),
                            dim=-1)
         ln = torch.randint(8, 17, (M,), generator=gen)
         st = torch.cumsum(ln, 0) - ln + 16  # chunks start after a 16-token sink
@@ -42,6 +42,27 @@ def test_select_fine_matches_reference(G, D):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max")
             got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
             assert torch.equal(got, ref), (b, expand)
+
+
+@pytest.mark.parametrize("cut_block", [16, 4096])
+def test_select_fine_ties_and_the_memory_pass(cut_block):
+    """Chunks repeating five keys exactly: whole groups of fine clusters tie on their bound, and the cut must
+    take them in index order like the stable sort. ``cut_block`` 16 sends every request through the pass
+    over memory that requests with more than 4096 fine clusters take."""
+    gen = torch.Generator().manual_seed(3)
+    bs, H, G, D = 3, 2, 2, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.0)
+    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    budgets = [50, 333, 10_000]
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor(budgets, dtype=torch.int32, device=DEV),
+                      4.0, parts=2, cut_block=cut_block).cpu()
+    ties = 0
+    for b, ix in enumerate(indexes):
+        ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], 4.0, "max")
+        assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
+        ub = upper_bound(q[b].view(H, G, D), ix.fine_mu, ix.fine_r, "max")
+        ties += sum(len(row) - len(set(row)) for row in ub.tolist())
+    assert ties > 0
 
 
 def test_emit_matches_reference_mask():
@@ -72,8 +93,10 @@ def test_emit_matches_reference_mask():
 
 
 @pytest.mark.gpu
-def test_select_and_emit_real_shapes():
-    """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024."""
+@pytest.mark.parametrize("cut_block", [4096, 512])
+def test_select_and_emit_real_shapes(cut_block):
+    """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
+    512 takes the cut's pass over memory (requests past 4096 fine clusters, about 100K tokens)."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
@@ -81,7 +104,7 @@ def test_select_and_emit_real_shapes():
     coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
     rows = torch.arange(bs, dtype=torch.int32, device=DEV)

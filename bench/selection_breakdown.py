@@ -1,0 +1,92 @@
+"""Where a sparse decode layer's time goes on the GPU: coarse expansion, fine bounds, the budget cut, token-list emission
+and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
+
+    python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from bench.bench_kernels import D, H, HQ, bench, graph_bench
+from sgl_sparsekv.index import build_index
+from sgl_sparsekv.kernels import select as ks
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
+
+
+def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32) -> dict:
+    M = ctx // 12
+    indexes, starts, lens = [], [], []
+    for _ in range(bs):
+        keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
+        ln = torch.randint(8, 17, (M,), device="cuda")
+        indexes.append(build_index(keys, ln, 2.0, 64, 3))
+        starts.append(torch.cumsum(ln, 0) - ln + sink)
+        lens.append(ln)
+    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = ks.pack(indexes, starts, lens, "cuda")
+    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
+    rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda")
+    seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
+    req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
+    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
+    k = torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16)
+    lstarts = torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget
+    ws = workspace_for(bs, H, HQ // H, D, 8, "cuda")
+    cmu, cr, ctok = coarse
+    fmu, fr, ftok, fpar = fine
+    bnd = torch.empty(fr.shape, dtype=torch.float32, device="cuda")
+    sel = torch.empty_like(bnd)
+    BLOCK_P = 64
+    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
+    out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
+           torch.empty(bs * H * budget, dtype=torch.int32, device="cuda"),
+           torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
+
+    def coarse_pick():
+        ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, rem, expanded, 16.0, q.stride(0), q.stride(1),
+                                            cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
+
+    def fine_bounds():
+        ks._fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, q.stride(0), q.stride(1),
+                                                fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P,
+                                                BLOCK_L=32, PARTS=parts)
+
+    def cut():
+        ks._cut_kernel[(bs * H,)](bnd, ftok, fo, ln_, rem, sel, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
+
+    def emit():
+        return ks.emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget,
+                              dense_limit=budget, parts=parts, out=out)
+
+    def attend():
+        return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
+
+    coarse_pick(); fine_bounds(); cut(); emit(); attend()
+    live = int((bnd[:, :] > float("-inf")).sum()) // H
+    return {"ctx": ctx, "bs": bs, "fine_clusters": int(ln_.sum()) // bs, "live_fine_per_head": live // bs,
+            **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
+               (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
+                ("attend", attend))}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    a = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "rows": []}
+    for ctx in a.contexts:
+        for bs in a.batches:
+            res["rows"].append(breakdown(bs, ctx))
+            print(json.dumps(res["rows"][-1]), flush=True)
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
