@@ -38,7 +38,8 @@ class PooledDecode:
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
         # per batch row: pool ranges, request row, length, budget left for retrieved units, dense fallback
-        self.fields = tuple(i32(max_bs) for _ in range(10))
+        self.table = torch.zeros(10, max_bs, dtype=torch.int32, device=dev)   # filled by one copy per step
+        self.fields = tuple(self.table)
         self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget, self.direct = self.fields
         self.bounds = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
         self.sel = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
@@ -71,9 +72,7 @@ class PooledDecode:
             m.stats["dense_fallback_steps"] += direct
         if DEBUG:
             check_table(table, len(rows), m.pools.capacity, req_to_token.shape)
-        dev = to_device(torch.tensor(table, dtype=torch.int32), self.co.device)
-        for j, t in enumerate(self.fields):
-            t[:padded_bs].copy_(dev[j])
+        self.table[:, :padded_bs].copy_(to_device(torch.tensor(table, dtype=torch.int32), self.co.device))
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,

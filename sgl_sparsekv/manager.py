@@ -43,7 +43,7 @@ from sgl_sparsekv.index import ClusterIndex, build_index, build_index_grouped, g
 from sgl_sparsekv.index_cache import IndexCache
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks
-from sgl_sparsekv.kernels.pool import pool_units
+from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
 from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.summary import summarize_units
@@ -150,6 +150,7 @@ class SparseKVManager:
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
+        self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
         self._new_keys: list[tuple[int, int, int]] = []          # (unit, request row, key position) this step
         self._late_keys: list[tuple[list[int], LateRead]] = []   # their key slots on the way to the host
         self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
@@ -310,9 +311,24 @@ class SparseKVManager:
             self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done])
 
     def pool_all_layers(self, k_buffers, plan: PoolPlan) -> None:
-        if plan.spans:
-            for l in range(self.cfg.dense_layers, self.num_layers):
-                self.pool_layer(l, k_buffers(l), plan)
+        """Summaries of the plan's units for every sparse layer (their keys are all written); on the GPU in one
+        launch that reads each layer's key buffer through a table of base addresses."""
+        if not plan.spans:
+            return
+        layers = range(self.cfg.dense_layers, self.num_layers)
+        bufs = [k_buffers(l) for l in layers]
+        if not bufs or not bufs[0].is_cuda:
+            for l, k in zip(layers, bufs):
+                self.pool_layer(l, k, plan)
+            return
+        ptrs = tuple(k.data_ptr() for k in bufs)
+        if self._k_ptrs is None or self._k_ptrs[0] != ptrs:
+            assert all(k.shape == bufs[0].shape and k.stride() == bufs[0].stride() and k.dtype == bufs[0].dtype
+                       for k in bufs), "the sparse layers' key buffers differ in layout"
+            self._k_ptrs = (ptrs, to_device(torch.tensor(ptrs, dtype=torch.int64), self.device))
+        ids, slots, indptr = plan.packed(self.device)
+        pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, self.store.summary,
+                          self.cfg.method == "quest")
 
     def _place(self, states: list[RequestState]) -> None:
         for state in states:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sgl_sparsekv.kernels.bounds import group_mean, node_bounds, node_bounds_ref
-from sgl_sparsekv.kernels.pool import pool_units, pool_units_ref
+from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,6 +118,32 @@ def test_pool_units(minmax, D):
     assert rel_err(out, ref) < 1e-4
 
 
+def check_pool_units_layers(layers, slots_n, units, D, minmax, seed):
+    """The all-layer launch writes into a unit store exactly what pool_units gives per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    ks = [torch.randn(slots_n, 3, D, generator=gen).to(DEV, DTYPE) for _ in range(layers)]
+    lens = torch.randint(1, 20, (units,), generator=gen)
+    indptr = torch.zeros(units + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(lens, 0)
+    slots = torch.randint(1, slots_n, (int(indptr[-1]),), generator=gen, dtype=torch.int32).to(DEV)
+    uids = torch.randperm(2 * units, generator=gen)[:units].to(DEV)
+    vecs = 2 if minmax else 1
+    store = torch.zeros(layers, 2 * units, 3, vecs, D, dtype=torch.bfloat16, device=DEV)
+    ptrs = torch.tensor([k.data_ptr() for k in ks], dtype=torch.int64, device=DEV)
+    pool_units_layers(ptrs, ks[0], slots, indptr.to(DEV), uids, store, minmax)
+    for l, k in enumerate(ks):
+        want = pool_units_ref(k, slots, indptr.to(DEV), minmax).view(units, 3, vecs, D)
+        assert rel_err(store[l, uids].float(), want) < 1e-2, l
+    untouched = torch.ones(2 * units, dtype=torch.bool, device=DEV)
+    untouched[uids] = False
+    assert not store[:, untouched].any()
+
+
+@pytest.mark.parametrize("minmax", [False, True])
+def test_pool_units_all_layers_in_one_launch(minmax):
+    check_pool_units_layers(3, 300, 25, 64, minmax, seed=4)
+
+
 @pytest.mark.parametrize("G", [1, 3, 4, 7])
 @pytest.mark.parametrize("D", [64, 128])
 def test_node_bounds(G, D):
@@ -151,6 +177,12 @@ def test_sparse_decode_real_shapes(bs, G, D):
 @pytest.mark.gpu
 def test_sparse_decode_direct_rows_real_shapes():
     run_direct_case([1000, 33_000, 4096, 65_000], 140_000, splits=8, G=4, D=128, H=8)
+
+
+@pytest.mark.gpu
+def test_pool_units_all_layers_real_shapes():
+    """30 key buffers of 140K slots, 8 heads x 128: what a decode step summarizes for every sparse layer."""
+    check_pool_units_layers(30, 140_000, 64, 128, False, seed=5)
 
 
 @pytest.mark.gpu

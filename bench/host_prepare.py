@@ -1,0 +1,91 @@
+"""Host time of one decode step's preparation (PooledDecode.prepare) on the GPU, with its top functions.
+
+    python3 -m bench.host_prepare --out host.json [--batch 16] [--context 32768] [--steps 200]
+
+A Llama-3.1-8B-shaped manager (30 sparse layers, 8 KV heads, d 128) holds ``--batch`` requests of
+``--context`` tokens (structure-aware chunks over random token ids with a synthetic boundary table), then
+decodes ``--steps`` timed steps (after 100 warm-up steps; 50 more under cProfile): each step one token per request, as the server's backend feeds it (host token
+lists, no device reads). Reports milliseconds per step (target: <= 0.3 at batch 16) and a cProfile of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import numpy as np
+import torch
+
+from sgl_sparsekv.chunking import BoundaryTable
+from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.manager import SparseKVManager
+from sgl_sparsekv.patches.pooled_decode import PooledDecode
+
+LAYERS, H, HQ, D, VOCAB = 32, 8, 32, 128, 32000
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--steps", type=int, default=200)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    table = BoundaryTable(rng.integers(0, 5, VOCAB).astype(np.int8), rng.random(VOCAB) < 0.3)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
+    bs, n = a.batch, a.context
+    w = n + a.steps + 256
+    slots = bs * w + 1
+    k = torch.randn(slots, H, D, device="cuda", dtype=torch.bfloat16)   # one buffer stands in for every layer
+    m = SparseKVManager(cfg, LAYERS, H, D, slots, device="cuda", boundary_table=table,
+                        summary_dtype=torch.bfloat16, use_pools=True)
+    r2t = torch.zeros(bs + 1, w, dtype=torch.int32, device="cuda")
+    rows = list(range(1, bs + 1))
+    toks = []
+    for i, row in enumerate(rows):
+        # the decoded tokens' slots too, in advance: a step writes nothing to the device itself
+        r2t[row, :w] = torch.arange(1 + i * w, 1 + (i + 1) * w, device="cuda")
+        toks.append(rng.integers(0, VOCAB, n).tolist())
+        plan = m.prepare_extend([row], [0], [n], r2t, toks[-1:])
+        m.pool_all_layers(lambda l: k, plan)
+        m.finish_extend([row], [True])
+    dec = PooledDecode(m, max_bs=bs, q_heads=HQ)
+    seqs = [n] * bs
+
+    def step():
+        for i in range(bs):
+            seqs[i] += 1
+            toks[i].append(int(rng.integers(0, VOCAB)))
+        dec.prepare(rows, seqs, bs, r2t, toks, lambda l: k)
+
+    for _ in range(100):   # warm-up: every Triton specialization compiled, pinned blocks cached
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    host_ms = 1000 * (time.perf_counter() - t0) / a.steps
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        step()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    res = {"device": torch.cuda.get_device_name(), "batch": bs, "context": n, "steps": a.steps,
+           "host_ms_per_step": round(host_ms, 3), "grafts": m.stats["grafts"],
+           "decode_host_syncs": m.stats["decode_host_syncs"], "profile_top": s.getvalue().splitlines()[:45]}
+    print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}))
+    print(s.getvalue()[:6000])
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
