@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +98,8 @@ class PoolPlan:
 
 
 ALL_LAYERS = -1   # IndexCache key of an all-layer index (pooled path)
+# host seconds of a pooled decode step's phases: frees, chunk cuts, summaries, index placement, grafts
+PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_summarize_s", "prepare_place_s", "prepare_graft_s")
 logger = logging.getLogger("sgl_sparsekv")
 # SGL_SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
 DEBUG = os.environ.get("SGL_SPARSEKV_DEBUG") == "1"
@@ -152,10 +155,13 @@ class SparseKVManager:
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
         self._new_keys: list[tuple[int, int, int]] = []          # (unit, request row, key position) this step
-        self._late_keys: list[tuple[list[int], LateRead]] = []   # their key slots on the way to the host
+        # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
+        # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
+        self._ordered: deque = deque()
         self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
                       "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0, "dense_fallback_steps": 0,
-                      "decode_prepare_s": 0.0, "index_build_s": 0.0, "decode_host_syncs": 0}
+                      "decode_prepare_s": 0.0, "index_build_s": 0.0, "decode_host_syncs": 0,
+                      **{k: 0.0 for k in PREPARE_PHASES}}
 
     # ------------------------------------------------------------------ frees (any thread)
     def request_freed(self, req_pool_idx: int) -> None:
@@ -163,27 +169,40 @@ class SparseKVManager:
             self._freed_reqs.append(int(req_pool_idx))
 
     def slots_freed(self, slots: torch.Tensor) -> None:
+        read = LateRead(slots.detach())   # SGLang's freed slots live on the device: no wait here either
         with self._lock:
-            self._freed_slots.append(slots.detach().to("cpu", torch.int64).clone())
+            self._freed_slots.append(read)
 
     def cache_cleared(self) -> None:
         with self._lock:
             self._cleared = True
 
-    def apply_frees(self) -> None:
-        """Apply the frees observed since the last batch: at every batch, and when the scheduler goes idle."""
+    def apply_frees(self, wait: bool = True) -> None:
+        """Apply the frees observed since the last batch: at every batch, and when the scheduler goes idle.
+
+        Slot frees and unit keys from the device apply in the order they happened, as far as they reached the
+        host; ``wait`` (prefill, idle) waits for all of them, a decode step (``wait=False``) never does.
+        """
         with self._lock:
             reqs, slots, cleared = self._freed_reqs, self._freed_slots, self._cleared
             self._freed_reqs, self._freed_slots, self._cleared = [], [], False
-        # a freed slot may key a unit cut at decode: its key must be in place before the slot's free drops it
-        self._key_units(wait=bool(slots) or cleared)
         for idx in reqs:
             self._drop(idx)
-        if slots:
-            self.store.free_slots(torch.cat(slots))
+        self._ordered.extend(("slots", None, read) for read in slots)
         if cleared:   # a cache flush: the cached indexes go with the cached KV
-            self.index_cache.clear()
-            self.store.clear()
+            self._ordered.append(("clear", None, None))
+        while self._ordered:
+            kind, uids, read = self._ordered[0]
+            if read is not None and not (wait or read.ready()):
+                break
+            if kind == "keys":
+                self.store.key(uids, read.get().tolist())
+            elif kind == "slots":
+                self.store.free_slots(read.get())
+            else:
+                self.index_cache.clear()
+                self.store.clear()
+            self._ordered.popleft()
 
     def _drop(self, idx: int) -> None:
         state = self.states.pop(idx, None)
@@ -204,8 +223,7 @@ class SparseKVManager:
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
                        req_to_token: torch.Tensor, tokens: list) -> PoolPlan:
         """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
-        self.apply_frees()
-        self._key_units(wait=True)   # a radix hit may reach units cut at decode
+        self.apply_frees()   # waits: a radix hit may reach units cut at decode
         plan = PoolPlan(req_to_token)
         for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
             state = self.states.get(idx)
@@ -223,8 +241,7 @@ class SparseKVManager:
         """tokens: per request its token ids known on the host (under overlap scheduling the newest may not be
         yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
         device: the key slots of the units cut here come back one step late."""
-        self.apply_frees()
-        self._key_units(wait=False)
+        self.apply_frees(wait=False)
         plan = PoolPlan(req_to_token)
         for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
             state = self.states.get(idx)
@@ -237,15 +254,9 @@ class SparseKVManager:
         if self._new_keys:
             uids, rows, pos = zip(*self._new_keys)
             at = to_device(torch.tensor([rows, pos], dtype=torch.int64), self.device)
-            self._late_keys.append((list(uids), LateRead(req_to_token[at[0], at[1]])))
+            self._ordered.append(("keys", list(uids), LateRead(req_to_token[at[0], at[1]])))
             self._new_keys = []
         return plan
-
-    def _key_units(self, wait: bool) -> None:
-        """Key the units cut at decode whose slots reached the host (all of them with ``wait``)."""
-        while self._late_keys and (wait or self._late_keys[0][1].ready()):
-            uids, read = self._late_keys.pop(0)
-            self.store.key(uids, read.get().tolist())
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         for uid in self.store.chain(slots, self.chunker.lookahead):
@@ -292,11 +303,20 @@ class SparseKVManager:
         k_buffers(l) -> the key buffer of model layer ``l``: new units are summarized here, for every
         layer at once, because their tokens precede the step's token (their keys are all written).
         """
+        t = [time.perf_counter()]
+        self.apply_frees(wait=False)
+        t.append(time.perf_counter())
         plan = self.prepare_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        t.append(time.perf_counter())
         self.pool_all_layers(k_buffers, plan)
+        t.append(time.perf_counter())
         states = [self.states[idx] for idx in req_pool_indices]
         self._place(states)   # normally done when the prefill finished; here for requests that just passed the budget
+        t.append(time.perf_counter())
         self._graft_pooled([s for s in states if s.pool is not None])
+        t.append(time.perf_counter())
+        for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
+            self.stats[key] += b - a
         if DEBUG:
             for s in states:
                 if s.pool is not None:
