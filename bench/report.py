@@ -72,24 +72,60 @@ def kernels_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+WORKLOADS = (("shared", "shared prefix: 2 groups x 16 requests over a 32K prefix, 512 out, concurrency 16"),
+             ("random", "random ids: 32K in, 256 out, 16 prompts, concurrency 8"),
+             ("random64", "random ids: 32K in, 256 out, 64 prompts, concurrency 16"))
+
+
 def serving_table(path: Path) -> str:
+    """Dense vs lychee through the real server, from one run on one card (bench/gpu_serving.py)."""
     r = json.loads(path.read_text())
     d, s = r["dense"], r["lychee"]
-    lines = [f"Serving, {r['device']}, {r['model']}, FlashInfer backend, CUDA graphs on, lychee budget "
-             f"{r['settings']['budget']} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
-             "| context | dense TPOT (ms) | lychee TPOT (ms) | lychee / dense |", "|---|---|---|---|"]
-    for ctx, v in d["tpot_bs1"].items():
-        lines.append(f"| {ctx} | {v['tpot_ms']:.2f} | {s['tpot_bs1'][ctx]['tpot_ms']:.2f} | "
-                     f"{s['tpot_bs1'][ctx]['tpot_ms'] / v['tpot_ms']:.2f} |")
-    if "serving_32k" in d:
-        lines += ["", "| bench_serving 32K in, 16 prompts, concurrency 8 | completed | output tok/s | median TPOT (ms) "
-                      "| mean TTFT (s) |", "|---|---|---|---|---|"]
-        for name, x in (("dense", d["serving_32k"]), ("lychee", s["serving_32k"])):
-            lines.append(f"| {name} | {x['completed']} | {x['output_throughput']:.1f} | {x['median_tpot_ms']:.1f} | "
-                         f"{x['mean_ttft_ms'] / 1000:.1f} |")
-    lines += ["", f"Greedy tokens equal dense within the budget: {r['greedy_equal_within_budget']}; past the budget "
-                  f"(4K prompt): {r['greedy_past_budget_same_tokens']} tokens the same."]
+    lines = [f"Serving, {r['device']}, {r['model']}, {r['settings']['backend']} backend for both (lychee wraps it), "
+             f"CUDA graphs on, budget {r['settings']['budget']}, commit {r.get('commit', '?')}: {r.get('note', '')} "
+             f"(`{path.relative_to(RESULTS.parent.parent)}`)", ""]
+    if d.get("tpot_bs1"):
+        lines += ["| batch 1, cached prompt | dense TPOT (ms) | lychee TPOT (ms) | lychee / dense |", "|---|---|---|---|"]
+        for ctx, v in d["tpot_bs1"].items():
+            x = s["tpot_bs1"][ctx]["tpot_ms"]
+            lines.append(f"| {ctx} tokens | {v['tpot_ms']:.2f} | {x:.2f} | {x / v['tpot_ms']:.2f} |")
+        lines.append("")
+    lines += ["| workload | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
+              "mean TTFT s dense / lychee | lychee host ms per decode step | errors |", "|---|---|---|---|---|---|---|"]
+    for key, label in WORKLOADS:
+        if key not in d or key not in s:
+            continue
+        x, y = d[key], s[key]
+        lines.append(f"| {label} | {x['output_throughput']:.0f} / {y['output_throughput']:.0f} | "
+                     f"{y['output_throughput'] / x['output_throughput']:.2f}x | {x['median_itl_ms']:.1f} / "
+                     f"{y['median_itl_ms']:.1f} | {x['mean_ttft_ms'] / 1000:.2f} / {y['mean_ttft_ms'] / 1000:.2f} | "
+                     f"{y.get('host_ms_per_decode_step', 'n/a')} | {x['errors']} / {y['errors']} |")
+    if "greedy_equal_within_budget" in r:
+        lines += ["", f"Greedy tokens equal dense within the budget: {r['greedy_equal_within_budget']}; past the "
+                      f"budget (4K prompt): {r['greedy_past_budget_same_tokens']} tokens the same."]
     return "\n".join(lines)
+
+
+def breakdown_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"A sparse layer's GPU time by kernel, {r['device']}: {r['what']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+             "", "| context | batch | version | coarse | fine bounds | cut | emit | attention | total |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for version in ("before", "after"):
+        for row in r[version]["rows"]:
+            parts = ([row["bounds_ms"], None] if "bounds_ms" in row else [row["coarse_ms"], row["fine_bounds_ms"]])
+            parts += [row["cut_ms"], row["emit_ms"], row["attend_ms"]]
+            cells = " | ".join("(in bounds)" if p is None else f"{p:.3f}" for p in parts)
+            lines.append(f"| {row['ctx']} | {row['bs']} | {version} | {cells} | {sum(p or 0 for p in parts):.3f} |")
+    lines += ["", "before: " + r["before"]["commit"] + "; after: " + r["after"]["commit"] + "."]
+    return "\n".join(lines)
+
+
+def host_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    return (f"Host time of a decode step's preparation, {r['device']}, batch {r['batch']} at {r['context']} tokens, "
+            f"commit {r['commit']}: {r['host_ms_per_step']} ms per step, {r['decode_host_syncs']} device syncs "
+            f"(`{path.relative_to(RESULTS.parent.parent)}`)")
 
 
 def load_table(path: Path) -> str:
@@ -142,7 +178,9 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
-                     ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h200.json", serving_table),
+                     ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h100.json", serving_table),
+                     ("gpu_serving_h200.json", serving_table), ("gpu_serving_h200_triton.json", serving_table),
+                     ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
         p = RESULTS / name
