@@ -98,9 +98,9 @@ def selection_cost(bs, ctx, budget):
     return bench(run), L, P
 
 
-def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
-    """kernels/select.py (coarse expansion + fine pick + token-list emission) for real index sizes, alone and
-    followed by the sparse attention over the emitted lists: the whole sparse decode layer of the pooled path."""
+def selection_case(bs, ctx, budget, sink=16, recent=64) -> dict:
+    """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
+    random unit keys (8-16-token chunks), queries, budgets, lengths, request rows, and a key buffer."""
     M = ctx // 12
     indexes, starts, lens = [], [], []
     for _ in range(bs):
@@ -109,15 +109,26 @@ def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
         indexes.append(build_index(keys, ln, 2.0, 64, 3))
         starts.append(torch.cumsum(ln, 0) - ln + sink)
         lens.append(ln)
-    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = pack(indexes, starts, lens, "cuda")
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
-    rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda")
-    seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
-    req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
-    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
-    k = torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16)
-    starts = torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget
-    ws = workspace_for(bs, H, HQ // H, D, 8, "cuda")
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, "cuda")
+    return dict(
+        coarse=coarse, fine=fine, chunks=chunks, ranges=ranges,
+        q=torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16),
+        rem=torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda"),
+        seq=torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda"),
+        req_to_token=torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1),
+        rows=torch.arange(bs, dtype=torch.int32, device="cuda"),
+        k=torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16),
+        list_starts=torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget,
+        workspace=workspace_for(bs, H, HQ // H, D, 8, "cuda"))
+
+
+def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
+    """kernels/select.py (coarse expansion + fine pick + token-list emission) for real index sizes, alone and
+    followed by the sparse attention over the emitted lists: the whole sparse decode layer of the pooled path."""
+    c = selection_case(bs, ctx, budget, sink, recent)
+    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = c["coarse"], c["fine"], c["chunks"], c["ranges"]
+    q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
+    starts, ws = c["list_starts"], c["workspace"]
 
     def select():
         sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, parts=32)

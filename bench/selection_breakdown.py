@@ -10,32 +10,17 @@ import argparse
 import json
 
 import torch
-import triton
 
-from bench.bench_kernels import D, H, HQ, bench, graph_bench
-from sgl_sparsekv.index import build_index
+from bench.bench_kernels import D, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
-from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32) -> dict:
-    M = ctx // 12
-    indexes, starts, lens = [], [], []
-    for _ in range(bs):
-        keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
-        ln = torch.randint(8, 17, (M,), device="cuda")
-        indexes.append(build_index(keys, ln, 2.0, 64, 3))
-        starts.append(torch.cumsum(ln, 0) - ln + sink)
-        lens.append(ln)
-    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = ks.pack(indexes, starts, lens, "cuda")
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
-    rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda")
-    seq = torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda")
-    req_to_token = torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1)
-    rows = torch.arange(bs, dtype=torch.int32, device="cuda")
-    k = torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16)
-    lstarts = torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget
-    ws = workspace_for(bs, H, HQ // H, D, 8, "cuda")
+    c = selection_case(bs, ctx, budget, sink, recent)
+    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = c["coarse"], c["fine"], c["chunks"], c["ranges"]
+    q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
+    lstarts, ws = c["list_starts"], c["workspace"]
     cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
     bnd = torch.empty(fr.shape, dtype=torch.float32, device="cuda")
