@@ -99,7 +99,8 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     fine_tokens = scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
 
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
-    # store fine clusters grouped by coarse unit: a step's expanded units are then contiguous runs
+    # store fine clusters grouped by coarse unit: a step's live clusters (its expanded units' children) are then
+    # contiguous runs, and the fine-bounds kernel skips every block of rows without one
     order = torch.sort(fine_parent, dim=-1, stable=True).indices
     fine_mu = fine_mu.gather(1, order[..., None].expand(-1, -1, d))
     fine_r, fine_n, fine_tokens, fine_parent = (t.gather(1, order) for t in (fine_r, fine_n, fine_tokens, fine_parent))
