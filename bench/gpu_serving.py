@@ -9,10 +9,12 @@ instance:
   - TPOT at batch 1 per context length: a random-id prompt is prefilled and cached first, then the time of a
     2-token request is subtracted from that of a (2 + n)-token request on the cached prompt, over n tokens;
   - bench_serving workloads (``--workloads``), counting errors: ``random`` (32K random ids, ``--prompts`` at
-    ``--concurrency``), ``random64`` (64 prompts at concurrency 16) and ``shared`` (2 groups x 16 requests over
-    a 32K shared prefix, 256-token questions, 512 out, concurrency 16);
+    ``--concurrency``), ``random64`` (64 prompts at concurrency 16), ``shared`` (2 groups x 16 requests over
+    a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
+    (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
-Ratios are lychee over dense, from the same run on the same device.
+Ratios are lychee over dense, from the same run on the same device. One method per device call fits the
+10-minute limit: ``--resume`` adds this call's methods to the result of an earlier call on the same machine.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import requests
 from bench.server import Server
 
 COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
-          "--mem-fraction-static", "0.8", "--max-running-requests", "16", "--cuda-graph-max-bs", "16",
+          "--mem-fraction-static", "0.8", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
 DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
@@ -42,8 +44,9 @@ def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
             str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
 
 
-SHARED_PREFIX = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "16",
-                 "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len", "512"]
+def shared_prefix(per_group: int) -> list[str]:
+    return ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group",
+            str(per_group), "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len", "512"]
 
 
 def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
@@ -93,7 +96,9 @@ def measure(srv: Server, a, name: str) -> dict:
         print(name, ctx, out["tpot_bs1"][ctx], flush=True)
     workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.prompts, a.concurrency),
                  "random64": (random_ids(32768, a.output_len, 64), 64, 16),
-                 "shared": (SHARED_PREFIX, 32, 16)}
+                 "shared": (shared_prefix(16), 32, 16),
+                 "shared64_c16": (shared_prefix(32), 64, 16),
+                 "shared64_c32": (shared_prefix(32), 64, 32)}
     for w in a.workloads:
         dataset, prompts, conc = workloads[w]
         out[w] = serve_bench(srv, dataset, prompts, conc, f"{a.out}.{name}.{w}.jsonl")
@@ -119,15 +124,16 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--methods", nargs="+", default=["dense", "lychee"])
-    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 126976])
-    ap.add_argument("--workloads", nargs="*", default=["random", "random64", "shared"],
-                    choices=["random", "random64", "shared"])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 65536, 126976])
+    ap.add_argument("--workloads", nargs="*", default=["random", "random64", "shared", "shared64_c16", "shared64_c32"],
+                    choices=["random", "random64", "shared", "shared64_c16", "shared64_c32"])
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"],
                     help="SGLang attention backend of both servers (lychee wraps it)")
+    ap.add_argument("--resume", help="result JSON of an earlier call on this machine: add this call's methods to it")
     a = ap.parse_args()
     import torch
 
@@ -135,8 +141,15 @@ def main():
 
     res = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
            "model": "Llama-3.1-8B shape, dummy weights",
-           "settings": {k: v for k, v in vars(a).items() if k != "out"},
+           "settings": {k: v for k, v in vars(a).items() if k not in ("out", "resume")},
            "server_args": COMMON + ["--attention-backend", a.backend]}
+    if a.resume:
+        with open(a.resume) as f:
+            prior = json.load(f)
+        assert prior["device"] == res["device"] and prior["server_args"] == res["server_args"], "not the same setup"
+        methods = prior["settings"]["methods"] + [m for m in a.methods if m not in prior["settings"]["methods"]]
+        res = {**prior, **{k: res[k] for k in ("device", "sglang", "model", "server_args")}}
+        res["settings"] = {**res["settings"], "methods": methods}
     for name in a.methods:
         method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
         with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
@@ -151,14 +164,15 @@ def main():
         res["tpot_ratio_lychee_over_dense"] = {
             ctx: round(s["tpot_bs1"][ctx]["tpot_ms"] / d["tpot_bs1"][ctx]["tpot_ms"], 3)
             for ctx in d["tpot_bs1"]}
-        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64")):
+        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
+                       ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
             if w in d and w in s:
                 res[key] = ratios(d[w], s[w])
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps({k: res.get(k) for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
                                                   "tpot_ratio_lychee_over_dense", "shared_prefix", "random_ids",
-                                                  "random64")}))
+                                                  "random64", "shared64_c16", "shared64_c32")}))
 
 
 if __name__ == "__main__":

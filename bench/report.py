@@ -74,7 +74,9 @@ def kernels_table(path: Path) -> str:
 
 WORKLOADS = (("shared", "shared prefix: 2 groups x 16 requests over a 32K prefix, 512 out, concurrency 16"),
              ("random", "random ids: 32K in, 256 out, 16 prompts, concurrency 8"),
-             ("random64", "random ids: 32K in, 256 out, 64 prompts, concurrency 16"))
+             ("random64", "random ids: 32K in, 256 out, 64 prompts, concurrency 16"),
+             ("shared64_c16", "shared prefix: 2 groups x 32 requests over a 32K prefix, 512 out, concurrency 16"),
+             ("shared64_c32", "shared prefix: 2 groups x 32 requests over a 32K prefix, 512 out, concurrency 32"))
 
 
 def serving_table(path: Path) -> str:
@@ -85,10 +87,13 @@ def serving_table(path: Path) -> str:
              f"CUDA graphs on, budget {r['settings']['budget']}, commit {r.get('commit', '?')}: {r.get('note', '')} "
              f"(`{path.relative_to(RESULTS.parent.parent)}`)", ""]
     if d.get("tpot_bs1"):
-        lines += ["| batch 1, cached prompt | dense TPOT (ms) | lychee TPOT (ms) | lychee / dense |", "|---|---|---|---|"]
+        short = d["tpot_bs1"].get("4096", {}).get("tpot_ms")   # the target: long-context lychee vs dense at 4K
+        lines += ["| batch 1, cached prompt | dense TPOT (ms) | lychee TPOT (ms) | lychee / dense | "
+                  "lychee / dense at 4K |", "|---|---|---|---|---|"]
         for ctx, v in d["tpot_bs1"].items():
             x = s["tpot_bs1"][ctx]["tpot_ms"]
-            lines.append(f"| {ctx} tokens | {v['tpot_ms']:.2f} | {x:.2f} | {x / v['tpot_ms']:.2f} |")
+            vs4k = f"{x / short:.2f}" if short else "n/a"
+            lines.append(f"| {ctx} tokens | {v['tpot_ms']:.2f} | {x:.2f} | {x / v['tpot_ms']:.2f} | {vs4k} |")
         lines.append("")
     lines += ["| workload | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
               "mean TTFT s dense / lychee | lychee host ms per decode step | errors |", "|---|---|---|---|---|---|---|"]

@@ -23,6 +23,9 @@ COUNTERS = {
     "index_pool_full": ("index_pool_full", "Times an index found no room in the GPU index pools."),
     "dense_fallback_steps": ("dense_fallback_steps",
                              "Request decode steps run densely because their index had no room in the pools."),
+    "decode_host_syncs": ("decode_host_syncs",
+                          "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
+                          "through ForwardBatch.init_new)."),
     "attended_tokens": ("attended_tokens", "KV tokens read by decode."),
     "context_tokens": ("context_tokens", "KV tokens a dense decode would have read."),
     "live_requests": ("live_requests", "Requests holding sparse-kv state."),

@@ -20,13 +20,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sgl_sparsekv.kernels.kmeans import nearest_centroid, nearest_centroid_ref
+
 NEG_INF = float("-inf")
 
 
 def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     """Batched spherical k-means with inner-product assignment.
 
-    x: [H, N, d] unit vectors. Deterministic: centroids start at evenly spaced points.
+    x: [H, N, d] unit vectors. Deterministic: centroids start at evenly spaced points. On the GPU the
+    assignment runs in ``kernels/kmeans.py`` (no [H, N, k] similarity matrix in memory).
     Returns (centroids [H, k, d] unit, assign [H, N] int64). A cluster that loses all members
     keeps its previous centroid (and is reported empty by its zero count downstream).
     """
@@ -35,8 +38,9 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     init = torch.linspace(0, N - 1, k, device=x.device).round().long()
     cent = x[:, init].clone()
     assign = torch.zeros(H, N, dtype=torch.long, device=x.device)
+    nearest = nearest_centroid if x.is_cuda else nearest_centroid_ref
     for _ in range(max(1, iters)):
-        assign = torch.einsum("hnd,hkd->hnk", x, cent).argmax(-1)
+        assign = nearest(x, cent)
         sums = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
         counts = torch.zeros(H, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
         cent = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), cent)
@@ -116,10 +120,12 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
 def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float, max_coarse: int,
                         iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
     """``build_index`` over many heads (e.g. every layer's), a group of heads at a time so the
-    chunk-to-centroid similarity matrix stays under ``max_bytes``. Same result as one call."""
-    H, M, _ = keys.shape
+    temporaries stay under ``max_bytes`` (on the CPU the chunk-to-centroid similarity matrix; on the GPU,
+    which never forms it, a few copies of the keys). Same result as one call."""
+    H, M, d = keys.shape
     L, _ = cluster_counts(M, fine_cluster_size, max_coarse)
-    group = max(1, min(H, max_bytes // max(1, M * L * 4)))
+    per_head = 4 * M * (4 * d if keys.is_cuda else L)
+    group = max(1, min(H, max_bytes // max(1, per_head)))
     parts = [build_index(keys[h:h + group], chunk_len, fine_cluster_size, max_coarse, iters)
              for h in range(0, H, group)]
     if len(parts) == 1:

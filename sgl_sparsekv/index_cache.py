@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sgl_sparsekv.index import NEG_INF, ClusterIndex, scatter_sum
@@ -26,12 +27,11 @@ class CachedIndex:
     layers: dict[int, ClusterIndex] = field(default_factory=dict)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a, b) -> int:
+    """Length of the common prefix of two unit chains (lists or arrays of ids)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
 
 
 def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex:

@@ -242,6 +242,10 @@ class SparseKVManager:
         yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
         device: the key slots of the units cut here come back one step late."""
         self.apply_frees(wait=False)
+        return self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+
+    def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
+                    tokens: list) -> PoolPlan:
         plan = PoolPlan(req_to_token)
         for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
             state = self.states.get(idx)
@@ -259,10 +263,10 @@ class SparseKVManager:
         return plan
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
-        for uid in self.store.chain(slots, self.chunker.lookahead):
-            state.units.append(uid)
-            state.starts.append(int(self.store.unit_start[uid]))   # host tensors: no device sync
-            state.ends.append(int(self.store.unit_end[uid]))
+        found = self.store.chain(slots, self.chunker.lookahead)
+        state.units.extend(found)
+        state.starts.extend(self.store.unit_start[found].tolist())   # host arrays: no device sync
+        state.ends.extend(self.store.unit_end[found].tolist())
 
     def _cut(self, state: RequestState, tokens, row: int, known: int, plan: PoolPlan,
              req_to_token: torch.Tensor | None = None) -> None:
@@ -306,7 +310,7 @@ class SparseKVManager:
         t = [time.perf_counter()]
         self.apply_frees(wait=False)
         t.append(time.perf_counter())
-        plan = self.prepare_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
         t.append(time.perf_counter())
         self.pool_all_layers(k_buffers, plan)
         t.append(time.perf_counter())

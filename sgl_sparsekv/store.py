@@ -19,6 +19,7 @@ under it (the radix cache deduplicates on insert).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -30,12 +31,14 @@ class UnitStore:
         self.shape = (num_kv_heads, vecs_per_unit, head_dim)
         self.num_layers = num_layers
         self.dtype = dtype
-        # bookkeeping lives on the host (read element by element); only summaries live on ``device``
-        self.slot_unit = torch.full((num_slots,), -1, dtype=torch.int64)
+        # bookkeeping lives on the host in numpy (read element by element, and a request's thousands of units
+        # are retained and released at once: torch's per-element indexing cost tens of ms per 32K request);
+        # only summaries live on ``device``
+        self.slot_unit = np.full(num_slots, -1, dtype=np.int64)
         self.capacity = 0
-        self.unit_start = torch.empty(0, dtype=torch.int64)
-        self.unit_end = torch.empty(0, dtype=torch.int64)
-        self.refs = torch.empty(0, dtype=torch.int32)
+        self.unit_start = np.empty(0, dtype=np.int64)
+        self.unit_end = np.empty(0, dtype=np.int64)
+        self.refs = np.empty(0, dtype=np.int32)
         self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
         self._free: list[int] = []
         self.unkeyed = 0   # units cut at decode whose key slot is still on its way back from the device
@@ -50,9 +53,9 @@ class UnitStore:
         if capacity <= old:
             return
         pad = capacity - old
-        self.unit_start = torch.cat([self.unit_start, torch.zeros(pad, dtype=torch.int64)])
-        self.unit_end = torch.cat([self.unit_end, torch.zeros(pad, dtype=torch.int64)])
-        self.refs = torch.cat([self.refs, torch.zeros(pad, dtype=torch.int32)])
+        self.unit_start = np.concatenate([self.unit_start, np.zeros(pad, dtype=np.int64)])
+        self.unit_end = np.concatenate([self.unit_end, np.zeros(pad, dtype=np.int64)])
+        self.refs = np.concatenate([self.refs, np.zeros(pad, dtype=np.int32)])
         summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=self.device)
         summary[:, :old] = self.summary
         self.summary = summary
@@ -125,46 +128,51 @@ class UnitStore:
         """
         found: list[int] = []
         pos, n = 0, len(slots)
-        keyed = self.slot_unit[slots.cpu().long()].tolist() if n else []
-        start, end = self.unit_start.tolist(), self.unit_end.tolist()
+        keyed = self.slot_unit[slots.cpu().numpy()] if n else []
+        start, end = self.unit_start, self.unit_end
         while pos + lookahead <= n:
-            uid = keyed[pos + lookahead - 1]
+            uid = int(keyed[pos + lookahead - 1])
             if uid < 0 or start[uid] != pos:
                 break
             found.append(uid)
-            pos = end[uid]
+            pos = int(end[uid])
         self.retain(found)
         self.stats["units_reused"] += len(found)
         return found
 
     def retain(self, ids) -> None:
-        if ids:
-            self.refs[torch.tensor(ids)] += 1
+        if len(ids):
+            np.add.at(self.refs, np.asarray(ids, dtype=np.int64), 1)
 
     def release(self, ids) -> None:
-        for uid in ids:
-            self.refs[uid] -= 1
-            if int(self.refs[uid]) == 0:
-                self._free.append(int(uid))
-                self.stats["units_freed"] += 1
+        if not len(ids):
+            return
+        ids = np.asarray(ids, dtype=np.int64)
+        np.subtract.at(self.refs, ids, 1)
+        touched, first = np.unique(ids, return_index=True)
+        gone = touched[np.argsort(first)]   # in the order given, as a loop of single releases would free them
+        gone = gone[self.refs[gone] == 0]
+        assert (self.refs[ids] >= 0).all(), "a unit released more often than retained"
+        self._free.extend(gone.tolist())
+        self.stats["units_freed"] += len(gone)
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """KV slots went back to the allocator: drop the units keyed by them."""
-        slots = slots.to("cpu", torch.int64)
+        slots = slots.to("cpu", torch.int64).numpy()
         ids = self.slot_unit[slots]
         hit = ids >= 0
         if hit.any():
             self.slot_unit[slots[hit]] = -1
-            self.release(ids[hit].tolist())
+            self.release(ids[hit])
 
     def clear(self) -> None:
         """Every slot was freed (cache flush). Units still used by live requests keep their reference."""
-        self.free_slots(torch.nonzero(self.slot_unit >= 0).flatten())
+        self.free_slots(torch.from_numpy(np.flatnonzero(self.slot_unit >= 0)))
 
     def snapshot(self) -> dict[tuple[int, int, int], torch.Tensor]:
         """{(key slot, start, end): summary} of every keyed unit; for tests that compare with a rebuild."""
         out = {}
-        for slot in torch.nonzero(self.slot_unit >= 0).flatten().tolist():
+        for slot in np.flatnonzero(self.slot_unit >= 0).tolist():
             uid = int(self.slot_unit[slot])
             out[(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))] = self.summary[:, uid].clone()
         return out

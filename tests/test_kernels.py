@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sgl_sparsekv.kernels.bounds import group_mean, node_bounds, node_bounds_ref
+from sgl_sparsekv.kernels.kmeans import nearest_centroid, nearest_centroid_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
 
@@ -162,6 +163,36 @@ def test_node_bounds(G, D):
     # mean-query reduction is the same kernel on the averaged queries
     qm = group_mean(q.float(), H)
     assert torch.allclose(node_bounds(qm, mu, r, n_nodes)[fin], node_bounds_ref(qm, mu, r, n_nodes)[fin], atol=1e-3)
+
+
+def check_nearest_centroid(H, N, K, D, seed):
+    """The kernel's choice is a nearest centroid (up to TF32 rounding on near-ties); exact ties go to the first."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.nn.functional.normalize(torch.randn(H, N, D, generator=gen), dim=-1)
+    c = torch.nn.functional.normalize(torch.randn(H, K, D, generator=gen), dim=-1)
+    c[:, K - 1] = c[:, 1]        # a duplicate centroid in a later tile: its points must go to index 1
+    x[:, 0] = c[:, 1]
+    x, c = x.to(DEV), c.to(DEV)
+    got = nearest_centroid(x, c)
+    ref = nearest_centroid_ref(x, c)
+    sim = torch.einsum("hnd,hkd->hnk", x, c)
+    best = sim.gather(2, ref[..., None]).squeeze(-1)
+    chosen = sim.gather(2, got[..., None]).squeeze(-1)
+    assert got.dtype == torch.int64 and got.shape == (H, N)
+    assert (chosen >= best - 2e-3).all()
+    assert (got == ref).float().mean() > 0.99
+    assert (got[:, 0] == 1).all()
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_nearest_centroid(D):
+    check_nearest_centroid(3, 150, 70, D, seed=D)
+
+
+@pytest.mark.gpu
+def test_nearest_centroid_real_shapes():
+    """Every sparse layer's heads of a 32K prompt at once (30 x 8 heads, 2730 chunks, 1365 fine clusters)."""
+    check_nearest_centroid(240, 2730, 1365, 128, seed=1)
 
 
 @pytest.mark.gpu
