@@ -88,12 +88,14 @@ def tpot_ms(srv: Server, ctx: int, n: int) -> dict:
     return {"tpot_ms": round(1000 * (long - short) / n, 3), "cached_2_token_request_s": round(short, 3)}
 
 
-def measure(srv: Server, a, name: str) -> dict:
-    out = {"greedy_within_budget": greedy(srv, list(range(100, 1000)), 32),
-           "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32), "tpot_bs1": {}}
+def measure(srv: Server, a, name: str, out: dict, save) -> dict:
+    """Fills ``out`` and calls ``save()`` after each measurement, so a call cut by its time limit keeps them."""
+    out.update({"greedy_within_budget": greedy(srv, list(range(100, 1000)), 32),
+                "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32), "tpot_bs1": {}})
     for ctx in a.contexts:
-        out["tpot_bs1"][ctx] = tpot_ms(srv, ctx, a.output_len)
-        print(name, ctx, out["tpot_bs1"][ctx], flush=True)
+        out["tpot_bs1"][str(ctx)] = tpot_ms(srv, ctx, a.output_len)   # str: the keys JSON gives back
+        print(name, ctx, out["tpot_bs1"][str(ctx)], flush=True)
+        save()
     workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.prompts, a.concurrency),
                  "random64": (random_ids(32768, a.output_len, 64), 64, 16),
                  "shared": (shared_prefix(16), 32, 16),
@@ -103,6 +105,7 @@ def measure(srv: Server, a, name: str) -> dict:
         dataset, prompts, conc = workloads[w]
         out[w] = serve_bench(srv, dataset, prompts, conc, f"{a.out}.{name}.{w}.jsonl")
         print(name, w, out[w], flush=True)
+        save()
     out["stats"] = srv.stats()
     return out
 
@@ -152,10 +155,13 @@ def main():
         res["settings"] = {**res["settings"], "methods": methods}
     for name in a.methods:
         method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
+        def save():
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
         with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
-            res[name] = measure(srv, a, name)
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+            measure(srv, a, name, res.setdefault(name, {}), save)
+        save()
     if "dense" in res and "lychee" in res:
         d, s = res["dense"], res["lychee"]
         res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
@@ -163,7 +169,7 @@ def main():
         res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
         res["tpot_ratio_lychee_over_dense"] = {
             ctx: round(s["tpot_bs1"][ctx]["tpot_ms"] / d["tpot_bs1"][ctx]["tpot_ms"], 3)
-            for ctx in d["tpot_bs1"]}
+            for ctx in d["tpot_bs1"] if ctx in s["tpot_bs1"]}
         for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
                        ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
             if w in d and w in s:

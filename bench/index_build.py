@@ -3,9 +3,9 @@
     python3 -m bench.index_build --out $OUT/index_build.json [--contexts 8192 32768 129024]
 
 Llama-3.1-8B shape (30 sparse layers x 8 KV heads, d 128), chunks of 8-16 tokens, 10 k-means iterations,
-all layers in one ``build_index_grouped`` call. The k-means assignment runs either in
-``kernels/kmeans.py`` (the GPU path) or as its torch twin (the similarity matrix, then argmax), in the
-same run on the same card; also the peak of extra GPU memory the build allocates.
+all layers in one ``build_index_grouped`` call. The k-means steps run either in ``kernels/kmeans.py`` (the GPU
+path) or as their torch twins (the similarity matrix, then argmax; scatter_add sums), in the same run on the
+same card; also the peak of extra GPU memory the build allocates.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from sgl_sparsekv import index as index_mod
 from sgl_sparsekv.index import build_index_grouped, cluster_counts
-from sgl_sparsekv.kernels.kmeans import nearest_centroid_ref
+from sgl_sparsekv.kernels.kmeans import cluster_sums_ref, nearest_centroid_ref
 
 LAYERS, H, D = 30, 8, 128
 
@@ -54,7 +54,8 @@ def main():
         kernel_ms, kernel_mb = timed_build(keys, lens)
         # the twin's heads grouped as on the CPU path: one group's similarity matrix within 1 GiB
         L, _ = cluster_counts(len(lens), 2.0, 64)
-        with mock.patch.object(index_mod, "nearest_centroid", nearest_centroid_ref):
+        with mock.patch.object(index_mod, "nearest_centroid", nearest_centroid_ref), \
+                mock.patch.object(index_mod, "cluster_sums", cluster_sums_ref):
             twin_ms, twin_mb = timed_build(keys, lens, max_bytes=(1 << 30) * 4 * D // L)
         rows.append({"context": ctx, "chunks": len(lens), "kernel_ms": kernel_ms, "torch_twin_ms": twin_ms,
                      "speedup": round(twin_ms / kernel_ms, 2), "kernel_extra_mib": kernel_mb,

@@ -1,6 +1,7 @@
-"""Nearest centroid by inner product, the assignment step of spherical k-means (``sgl_sparsekv/index.py``).
+"""Spherical k-means steps on the GPU (``sgl_sparsekv/index.py``), each with its torch twin.
 
-    x [H, N, d] fp32 points; cent [H, K, d] fp32 centroids -> assign [H, N] int64 (first maximum on ties)
+    nearest_centroid  x [H, N, d] fp32 points; cent [H, K, d] fp32 -> assign [H, N] int64 (first maximum on ties)
+    cluster_sums      x, assign, K -> per-cluster sums of the points [H, K, d] fp32, counts [H, K] fp32
 
 The torch twin materializes the [H, N, K] similarity matrix: for every layer of a 32K-token prompt that is
 3.6 GB written and read per k-means iteration, and a gigabyte-sized temporary inside a server whose KV
@@ -8,6 +9,10 @@ pool holds most of the GPU. Here each program keeps a running maximum over centr
 and writes only the argmax. Similarities go through TF32 tensor cores: a near-tie may pick the other
 centroid than fp32 would, which only moves a chunk between two equally close clusters (the radii are
 computed afterwards from the actual members in fp32, so the index's bounds stay exact).
+
+The sums add each cluster's members in index order in one program, where ``scatter_add_``'s atomics add them in
+whatever order the GPU ran: the last bits of a centroid then vary from run to run, and TF32 rounding of the
+next assignment turns that into different clusters. So a prompt gets the same index every time.
 """
 
 from __future__ import annotations
@@ -61,3 +66,37 @@ def nearest_centroid(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
 def nearest_centroid_ref(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """The torch twin (and the CPU path): the full similarity matrix, then its argmax."""
     return torch.einsum("hnd,hkd->hnk", x, cent).argmax(-1)
+
+
+@triton.jit
+def _sums_kernel(X, Order, Offsets, Out, N, K, stride_xh, stride_xn, D: tl.constexpr):
+    k = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    start = tl.load(Offsets + h * (K + 1) + k)
+    end = tl.load(Offsets + h * (K + 1) + k + 1)
+    acc = tl.zeros([D], tl.float32)
+    for i in range(start, end):
+        n = tl.load(Order + h * N + i)
+        acc += tl.load(X + h * stride_xh + n * stride_xn + offs_d)
+    tl.store(Out + (h * K + k) * D + offs_d, acc)
+
+
+def cluster_sums(x: torch.Tensor, assign: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of each cluster's points, added in point order (deterministic), and each cluster's size."""
+    H, N, d = x.shape
+    x = x.contiguous()
+    order = torch.sort(assign, dim=-1, stable=True).indices
+    counts = torch.zeros(H, K, dtype=torch.int64, device=x.device).scatter_add_(1, assign, torch.ones_like(assign))
+    offsets = torch.zeros(H, K + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(counts, 1, out=offsets[:, 1:])
+    out = torch.empty(H, K, d, dtype=torch.float32, device=x.device)
+    _sums_kernel[(K, H)](x, order, offsets, out, N, K, x.stride(0), x.stride(1), D=d, num_warps=1)
+    return out, counts.to(x.dtype)
+
+
+def cluster_sums_ref(x: torch.Tensor, assign: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    H, N, d = x.shape
+    sums = torch.zeros(H, K, d, dtype=x.dtype, device=x.device).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
+    counts = torch.zeros(H, K, dtype=x.dtype, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
+    return sums, counts

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.kernels.kmeans import nearest_centroid, nearest_centroid_ref
+from sgl_sparsekv.kernels.kmeans import cluster_sums, cluster_sums_ref, nearest_centroid, nearest_centroid_ref
 
 NEG_INF = float("-inf")
 
@@ -29,7 +29,8 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     """Batched spherical k-means with inner-product assignment.
 
     x: [H, N, d] unit vectors. Deterministic: centroids start at evenly spaced points. On the GPU the
-    assignment runs in ``kernels/kmeans.py`` (no [H, N, k] similarity matrix in memory).
+    assignment and the sums run in ``kernels/kmeans.py`` (no [H, N, k] similarity matrix in memory; sums in
+    a fixed order, so a build gives the same index every time).
     Returns (centroids [H, k, d] unit, assign [H, N] int64). A cluster that loses all members
     keeps its previous centroid (and is reported empty by its zero count downstream).
     """
@@ -38,11 +39,10 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     init = torch.linspace(0, N - 1, k, device=x.device).round().long()
     cent = x[:, init].clone()
     assign = torch.zeros(H, N, dtype=torch.long, device=x.device)
-    nearest = nearest_centroid if x.is_cuda else nearest_centroid_ref
+    nearest, sums_of = (nearest_centroid, cluster_sums) if x.is_cuda else (nearest_centroid_ref, cluster_sums_ref)
     for _ in range(max(1, iters)):
         assign = nearest(x, cent)
-        sums = torch.zeros_like(cent).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
-        counts = torch.zeros(H, k, device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
+        sums, counts = sums_of(x, assign, k)
         cent = torch.where(counts[..., None] > 0, F.normalize(sums, dim=-1), cent)
     return cent, assign
 

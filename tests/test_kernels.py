@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sgl_sparsekv.kernels.bounds import group_mean, node_bounds, node_bounds_ref
-from sgl_sparsekv.kernels.kmeans import nearest_centroid, nearest_centroid_ref
+from sgl_sparsekv.kernels.kmeans import cluster_sums, cluster_sums_ref, nearest_centroid, nearest_centroid_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
 
@@ -184,15 +184,46 @@ def check_nearest_centroid(H, N, K, D, seed):
     assert (got[:, 0] == 1).all()
 
 
+def check_cluster_sums(H, N, K, D, seed):
+    """Sums and sizes equal scatter_add's; empty clusters sum to zero; two runs agree to the bit."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(H, N, D, generator=gen).to(DEV)
+    assign = torch.randint(0, K - 1, (H, N), generator=gen).to(DEV)   # cluster K - 1 stays empty
+    sums, counts = cluster_sums(x, assign, K)
+    want_sums, want_counts = cluster_sums_ref(x, assign, K)
+    assert torch.equal(counts, want_counts) and counts.dtype == x.dtype
+    assert torch.allclose(sums, want_sums, atol=1e-4, rtol=1e-5)
+    assert not sums[:, K - 1].any()
+    assert torch.equal(cluster_sums(x, assign, K)[0], sums)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 def test_nearest_centroid(D):
     check_nearest_centroid(3, 150, 70, D, seed=D)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_cluster_sums(D):
+    check_cluster_sums(3, 150, 40, D, seed=D)
+
+
 @pytest.mark.gpu
-def test_nearest_centroid_real_shapes():
+def test_kmeans_steps_real_shapes():
     """Every sparse layer's heads of a 32K prompt at once (30 x 8 heads, 2730 chunks, 1365 fine clusters)."""
     check_nearest_centroid(240, 2730, 1365, 128, seed=1)
+    check_cluster_sums(240, 2730, 1365, 128, seed=2)
+
+
+@pytest.mark.gpu
+def test_index_build_is_deterministic_on_the_gpu():
+    """The same keys give the same index twice (TF32 assignment would amplify unordered float sums)."""
+    from sgl_sparsekv.index import build_index_grouped
+
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.nn.functional.normalize(torch.randn(24, 3000, 128, generator=gen), dim=-1).to(DEV)
+    lens = torch.randint(8, 17, (3000,), generator=gen).to(DEV)
+    a, b = (build_index_grouped(keys, lens, 2.0, 64, 10) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values()))
 
 
 @pytest.mark.gpu
