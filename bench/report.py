@@ -126,6 +126,17 @@ def breakdown_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def build_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} k-means "
+             f"iterations, commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             "| context | chunks | kernels/kmeans.py (ms) | torch twin (ms) | speed-up | extra GPU memory MiB, kernel / twin |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {b['context']} | {b['chunks']} | {b['kernel_ms']:.1f} | {b['torch_twin_ms']:.1f} | {b['speedup']:.1f}x | "
+              f"{b['kernel_extra_mib']} / {b['torch_twin_extra_mib']} |" for b in r["builds"]]
+    return "\n".join(lines)
+
+
 def host_table(path: Path) -> str:
     r = json.loads(path.read_text())
     return (f"Host time of a decode step's preparation, {r['device']}, batch {r['batch']} at {r['context']} tokens, "
@@ -137,15 +148,16 @@ def load_table(path: Path) -> str:
     """Serving under load, lychee only: completion, errors and dense fallbacks per workload (gpu_serving_load_*)."""
     r = json.loads(path.read_text())
     backend = r["server_args"][r["server_args"].index("--attention-backend") + 1]
-    lines = [f"Serving under load, {r['device']}, {r['model']}, {r['method']}, {backend} backend, CUDA graphs on "
+    lines = [f"Serving under load, {r['device']}, {r['model']}, {r['method']}, CUDA graphs on "
              f"(`{path.relative_to(RESULTS.parent.parent)}`)", "",
-             "| workload | commit | completed | errors | index_pool_full | dense_fallback_steps | output tok/s "
-             "| median TPOT (ms) | mean TTFT (s) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| workload | commit | backend | completed | errors | index_pool_full | dense_fallback_steps | output tok/s "
+             "| median TPOT (ms) | mean TTFT (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, x in r.items():
         if not isinstance(x, dict) or "status" in x or "completed" not in x or "num_prompts" not in x:
             continue
         pl = x["plugin"]
-        lines.append(f"| {name} | {x['commit']} | {x['completed']}/{x['num_prompts']} | {x['errors']} | "
+        lines.append(f"| {name} | {x['commit']} | {x.get('backend', backend)} | {x['completed']}/{x['num_prompts']} | "
+                     f"{x['errors']} | "
                      f"{pl['index_pool_full']} | {pl['dense_fallback_steps']} | {x['output_throughput']:.1f} | "
                      f"{x['median_tpot_ms']:.1f} | {x['mean_ttft_ms'] / 1000:.1f} |")
     for name, x in r.items():
@@ -183,8 +195,10 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
-                     ("attention_recall_smollm2.json", recall_table), ("gpu_serving_h100.json", serving_table),
-                     ("gpu_serving_h200.json", serving_table), ("gpu_serving_h200_triton.json", serving_table),
+                     ("attention_recall_smollm2.json", recall_table),
+                     ("gpu_serving_h100_flashinfer.json", serving_table),
+                     ("gpu_serving_h100_flashinfer_recheck.json", serving_table), ("gpu_serving_h100.json", serving_table),
+                     ("index_build_h100.json", build_table),
                      ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
