@@ -26,16 +26,19 @@ def passkey_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def md_table(caption: str, header: list[str], rows) -> str:
+    """A caption line and a markdown table of ``rows`` (sequences of cells)."""
+    return "\n".join([caption, "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+                      *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
+
+
 def recall_table(path: Path) -> str:
     r = json.loads(path.read_text())
-    lines = [f"Attention fidelity on captured Q/K/V, {r['model']}, {r['tokens']} tokens, budget {r['budget']}, "
-             f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)", "",
-             "| variant | attention-mass recall | worst head | top-k recall | output rel. error | KV read |",
-             "|---|---|---|---|---|---|"]
-    for name, v in r["variants"].items():
-        lines.append(f"| {name} | {v['mass_recall']:.3f} | {v['mass_recall_min']:.3f} | {v['topk_recall']:.3f} | "
-                     f"{v['out_rel_err']:.3f} | {v['kv_read']:.3f} |")
-    return "\n".join(lines)
+    return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {r['tokens']} tokens, budget {r['budget']}, "
+                    f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["variant", "attention-mass recall", "worst head", "top-k recall", "output rel. error", "KV read"],
+                    [(name, f"{v['mass_recall']:.3f}", f"{v['mass_recall_min']:.3f}", f"{v['topk_recall']:.3f}",
+                      f"{v['out_rel_err']:.3f}", f"{v['kv_read']:.3f}") for name, v in r["variants"].items()])
 
 
 def kernels_table(path: Path) -> str:
@@ -128,13 +131,13 @@ def breakdown_table(path: Path) -> str:
 
 def build_table(path: Path) -> str:
     r = json.loads(path.read_text())
-    lines = [f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} k-means "
-             f"iterations, commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
-             "| context | chunks | kernels/kmeans.py (ms) | torch twin (ms) | speed-up | extra GPU memory MiB, kernel / twin |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {b['context']} | {b['chunks']} | {b['kernel_ms']:.1f} | {b['torch_twin_ms']:.1f} | {b['speedup']:.1f}x | "
-              f"{b['kernel_extra_mib']} / {b['torch_twin_extra_mib']} |" for b in r["builds"]]
-    return "\n".join(lines)
+    return md_table(f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} "
+                    f"k-means iterations, commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["context", "chunks", "kernels/kmeans.py (ms)", "torch twin (ms)", "speed-up",
+                     "extra GPU memory MiB, kernel / twin"],
+                    [(b["context"], b["chunks"], f"{b['kernel_ms']:.1f}", f"{b['torch_twin_ms']:.1f}",
+                      f"{b['speedup']:.1f}x", f"{b['kernel_extra_mib']} / {b['torch_twin_extra_mib']}")
+                     for b in r["builds"]])
 
 
 def host_table(path: Path) -> str:
