@@ -54,30 +54,29 @@ def unit_bounds(chunker, ids):
     return torch.tensor(starts), torch.tensor(ends)
 
 
-def evaluate(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
+def own_masks(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
+    """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at position t (the last
+    ``n_queries`` positions), through the same functions the server uses."""
     n = len(ids)
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
     else:
         chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
-    per_layer = []
-    for l, (q_all, k_all, v_all) in enumerate(layers):
-        if l < cfg.dense_layers:
-            continue
-        H, _, d = k_all.shape
-        G = q_all.shape[0] // H
-        rows = []
-        for t in range(n - n_queries, n):
-            seq = t + 1                      # the query at position t sees tokens [0, t]
-            starts, ends = unit_bounds(chunker, ids[:seq])
-            keys = k_all[:, :seq]             # [H, seq, d]
-            kbuf = keys.transpose(0, 1)       # [seq, H, d] like a KV pool, slot = position
-            indptr = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
-            slots = torch.arange(int(ends[-1]) if len(ends) else 0, dtype=torch.int32)
-            q = q_all[:, t].view(H, G, d)
-            sink = min(cfg.sink_tokens, seq)
-            recent = min(cfg.recent_window, seq - sink)
-            budget = cfg.token_budget - sink - recent
+    out = {}
+    for t in range(n - n_queries, n):
+        seq = t + 1                      # the query at position t sees tokens [0, t]
+        starts, ends = unit_bounds(chunker, ids[:seq])
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
+        slots = torch.arange(int(ends[-1]) if len(ends) else 0, dtype=torch.int32)
+        sink = min(cfg.sink_tokens, seq)
+        recent = min(cfg.recent_window, seq - sink)
+        budget = cfg.token_budget - sink - recent
+        for l, (q_all, k_all, _) in enumerate(layers):
+            if l < cfg.dense_layers:
+                continue
+            H, _, d = k_all.shape
+            kbuf = k_all[:, :seq].transpose(0, 1)       # [seq, H, d] like a KV pool, slot = position
+            q = q_all[:, t].view(H, -1, d)
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
@@ -86,27 +85,52 @@ def evaluate(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
                                    cfg.page_size, cfg.gqa_reduce)
-            mask = units_to_token_mask(sel, starts, ends, seq, sink, recent)            # [H, seq]
-            logits = torch.einsum("hgd,hsd->hgs", q, keys) / math.sqrt(d)
-            w = torch.softmax(logits, -1)
-            m = mask[:, None, :].expand_as(w)
-            mass = (w * m).sum(-1)                                                       # [H, G]
-            k_top = min(cfg.token_budget, seq)
-            top = w.topk(k_top, dim=-1).indices
-            topk_recall = m.gather(-1, top).float().mean(-1)
-            ws = torch.softmax(logits.masked_fill(~m, float("-inf")), -1)
-            vals = v_all[:, :seq]
-            o_d = torch.einsum("hgs,hsd->hgd", w, vals)
-            o_s = torch.einsum("hgs,hsd->hgd", ws, vals)
-            err = (o_s - o_d).norm(dim=-1) / o_d.norm(dim=-1).clamp_min(1e-6)
-            rows.append((float(mass.mean()), float(mass.min()), float(topk_recall.mean()), float(err.mean()),
-                         float(mask.float().mean())))
-        r = np.array(rows)
-        per_layer.append(dict(layer=l, mass_recall=r[:, 0].mean(), mass_recall_min=r[:, 1].min(),
-                              topk_recall=r[:, 2].mean(), out_rel_err=r[:, 3].mean(), kv_read=r[:, 4].mean()))
+            out[(l, t)] = units_to_token_mask(sel, starts, ends, seq, sink, recent)    # [H, seq]
+    return out
+
+
+def mask_metrics(layer, t: int, mask: torch.Tensor, budget: int) -> np.ndarray:
+    """Against dense attention at layer ``layer`` = (q, k, v) for the query at ``t``, per KV head:
+    attention-mass recall (mean and worst over the group's query heads), top-``budget`` recall, output relative
+    error, share of KV read. -> [H, 5]"""
+    q_all, k_all, v_all = layer
+    H, _, d = k_all.shape
+    seq = t + 1
+    q = q_all[:, t].view(H, -1, d)
+    keys, vals = k_all[:, :seq], v_all[:, :seq]
+    logits = torch.einsum("hgd,hsd->hgs", q, keys) / math.sqrt(d)
+    w = torch.softmax(logits, -1)
+    m = mask[:, None, :].expand_as(w)
+    mass = (w * m).sum(-1)                                                       # [H, G]
+    top = w.topk(min(budget, seq), dim=-1).indices
+    topk_recall = m.gather(-1, top).float().mean(-1)
+    ws = torch.softmax(logits.masked_fill(~m, float("-inf")), -1)
+    o_d = torch.einsum("hgs,hsd->hgd", w, vals)
+    o_s = torch.einsum("hgs,hsd->hgd", ws, vals)
+    err = (o_s - o_d).norm(dim=-1) / o_d.norm(dim=-1).clamp_min(1e-6)
+    return torch.stack([mass.mean(-1), mass.amin(-1), topk_recall.mean(-1), err.mean(-1), mask.float().mean(-1)],
+                       -1).numpy()
+
+
+def summarize(per: dict) -> dict:
+    """{(layer, t): [H, 5] metrics} -> means over layers (each layer's mean over queries and heads), the worst
+    (layer, query, query head) mass recall, and the per-layer rows."""
+    layers = sorted({l for l, _ in per})
+    per_layer = []
+    for l in layers:
+        r = np.stack([v for (ll, _), v in per.items() if ll == l])              # [queries, H, 5]
+        per_layer.append(dict(layer=l, mass_recall=float(r[..., 0].mean()), mass_recall_min=float(r[..., 1].min()),
+                              topk_recall=float(r[..., 2].mean()), out_rel_err=float(r[..., 3].mean()),
+                              kv_read=float(r[..., 4].mean())))
     agg = {k: float(np.mean([p[k] for p in per_layer])) for k in ("mass_recall", "topk_recall", "out_rel_err", "kv_read")}
     agg["mass_recall_min"] = float(min(p["mass_recall_min"] for p in per_layer))
-    return dict(config=cfg.to_dict(), **agg, per_layer=per_layer)
+    return dict(**agg, per_layer=per_layer)
+
+
+def evaluate(cfg: SparseKVConfig, ids, layers, n_queries: int, table) -> dict:
+    masks = own_masks(cfg, ids, layers, n_queries, table)
+    per = {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}
+    return dict(config=cfg.to_dict(), **summarize(per))
 
 
 VARIANTS = {

@@ -129,6 +129,20 @@ def breakdown_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def roles_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    tasks = ", ".join(e["task"] for e in r["evaluation"])
+    cal = r["calibration"]
+    rows = [(name, "all" if name == "all-retrieval" else f"{r['roles'][name]['retrieval_heads']} of "
+             f"{r['roles'][name]['of']}", f"{r['mean_mass_recall'][name]:.4f}", f"{r['mean_out_rel_err'][name]:.4f}")
+            for name in r["mean_mass_recall"]]
+    return md_table(f"Hybrid heads at the attention level (issue #12), {r['model']}, budget {r['budget']}, about "
+                    f"{r['length']} tokens: sparse heads attend to their parent's set; roles calibrated on "
+                    f"{cal['task']} ({cal['queries']} queries), evaluated on {tasks} ({r['queries']} queries each), "
+                    f"means (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
+
+
 def build_table(path: Path) -> str:
     r = json.loads(path.read_text())
     return md_table(f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} "
@@ -198,7 +212,7 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
-                     ("attention_recall_smollm2.json", recall_table),
+                     ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
                      ("gpu_serving_h100_flashinfer_recheck.json", serving_table), ("gpu_serving_h100.json", serving_table),
                      ("index_build_h100.json", build_table),

@@ -1,0 +1,205 @@
+"""Head roles for LycheeDecode's hybrid heads (issue #12), measured on captured Q/K/V: which heads may reuse.
+
+    python -m bench.head_roles --out bench/results/head_roles_smollm2.json
+
+A retrieval head selects its own tokens (lychee); a sparse head attends to the token set of the same KV head in
+the previous layer and passes it on (chains compound: a set may be inherited over several layers). For a share
+of retrieval heads among all sparse heads, four ways to choose them, each reading the same number of KV tokens:
+- calibrated (training-free): on one calibration prompt, layer by layer, a head retrieves iff the set it would
+  inherit loses more than a threshold of attention mass against its own selection; the threshold is bisected
+  to the share;
+- staggered (no calibration): each head retrieves every few layers, heads offset from one another;
+- layer sharing (TidalDecode-like): whole layers retrieve, those whose heads lose most by reuse;
+- random, three seeds.
+Evaluated on other prompts and tasks against all-retrieval lychee at the same budget: attention-mass recall and
+output error of the chained sets. Which selections are saved is what makes hybrid heads faster; that part
+needs the kernels and is measured on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench.attention_recall import capture, mask_metrics, own_masks, summarize
+from bench.tasks import make
+from sgl_sparsekv.chunking import BoundaryTable
+from sgl_sparsekv.config import SparseKVConfig
+
+CALIBRATE = ("niah_multikey", 100)
+EVALUATE = (("passkey", 3), ("niah_single", 2), ("json_value", 1))
+
+
+def reuse_loss(layers, masks: dict, budget: int, first: int) -> np.ndarray:
+    """[num_layers, H] mean mass lost when a head reuses the previous layer's own selection (0 up to ``first``)."""
+    H = layers[0][1].shape[0]
+    loss = np.zeros((len(layers), H))
+    queries = sorted({t for _, t in masks})
+    for l in range(first + 1, len(layers)):
+        for t in queries:
+            own = mask_metrics(layers[l], t, masks[(l, t)], budget)[:, 0]
+            inherited = mask_metrics(layers[l], t, masks[(l - 1, t)], budget)[:, 0]
+            loss[l] += (own - inherited) / len(queries)
+    return loss
+
+
+def attention_weights(layers, masks: dict, first: int) -> dict:
+    """{(layer, t): dense softmax weights [H, G, t + 1]} of every sparse layer's decode queries."""
+    out = {}
+    for (l, t) in masks:
+        q_all, k_all, _ = layers[l]
+        H, _, d = k_all.shape
+        q = q_all[:, t].view(H, -1, d)
+        out[(l, t)] = torch.softmax(torch.einsum("hgd,hsd->hgs", q, k_all[:, :t + 1]) / math.sqrt(d), -1)
+    return out
+
+
+def greedy_roles(weights: dict, masks: dict, first: int, threshold: float) -> np.ndarray:
+    """Layer by layer, a head retrieves iff attending to the set it would inherit (its parent's, itself maybe
+    inherited) loses more than ``threshold`` of attention mass against its own selection, over the queries."""
+    queries = sorted({t for _, t in masks})
+    num_layers = max(l for l, _ in masks) + 1
+    roles = np.zeros((num_layers, masks[(first, queries[0])].shape[0]), dtype=bool)
+    roles[first] = True
+    attended = {t: masks[(first, t)] for t in queries}
+
+    def mass(l, t, m):
+        return (weights[(l, t)] * m[:, None, :]).sum(-1).mean(-1)
+
+    for l in range(first + 1, num_layers):
+        lost = sum(mass(l, t, masks[(l, t)]) - mass(l, t, attended[t]) for t in queries) / len(queries)
+        roles[l] = (lost > threshold).numpy()
+        r = torch.from_numpy(roles[l])[:, None]
+        attended = {t: torch.where(r, masks[(l, t)], attended[t]) for t in queries}
+    return roles
+
+
+def calibrated_roles(weights: dict, masks: dict, first: int, count: int) -> np.ndarray:
+    """``greedy_roles`` with the threshold bisected until about ``count`` heads retrieve."""
+    lo, hi = -1.0, 1.0
+    best = None
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        roles = greedy_roles(weights, masks, first, mid)
+        if best is None or abs(roles[first:].sum() - count) < abs(best[first:].sum() - count):
+            best = roles
+        if roles[first:].sum() > count:
+            lo = mid
+        else:
+            hi = mid
+    return best
+
+
+def layer_roles(loss: np.ndarray, first: int, count: int) -> np.ndarray:
+    """Whole layers as retrieval layers (the first sparse one, then the largest mean losses), ``count`` heads."""
+    roles = np.zeros(loss.shape, dtype=bool)
+    roles[first] = True
+    layers = np.argsort(-loss[first + 1:].mean(1), kind="stable")[:max(0, math.ceil(count / loss.shape[1]) - 1)]
+    roles[first + 1 + layers] = True
+    return roles
+
+
+def staggered_roles(shape, first: int, count: int) -> np.ndarray:
+    """No calibration: each head retrieves every ``period`` layers, heads offset from one another, so no chain of
+    reuse is longer than the period and every layer keeps some retrieval heads."""
+    roles = np.zeros(shape, dtype=bool)
+    roles[first] = True
+    L, H = shape
+    period = max(1, round((L - first) * H / max(1, count)))
+    for l in range(first + 1, L):
+        for h in range(H):
+            roles[l, h] = (l - first + h * period // H) % period == 0
+    return roles
+
+
+def random_roles(shape, first: int, count: int, seed: int = 0) -> np.ndarray:
+    roles = np.zeros(shape, dtype=bool)
+    roles[first] = True
+    pick = np.random.default_rng(seed).permutation(roles[first + 1:].size)[:max(0, count - shape[1])]
+    roles[first + 1:].flat[pick] = True
+    return roles
+
+
+def chained_metrics(layers, masks: dict, roles: np.ndarray, budget: int, first: int) -> dict:
+    """Metrics when sparse heads attend to their parent's (possibly inherited) set."""
+    per = {}
+    for t in sorted({t for _, t in masks}):
+        attended = masks[(first, t)]
+        for l in range(first, len(layers)):
+            r = torch.from_numpy(roles[l])[:, None]
+            attended = torch.where(r, masks[(l, t)], attended) if l > first else attended
+            per[(l, t)] = mask_metrics(layers[l], t, attended, budget)
+    return summarize(per)
+
+
+def role_map(roles: np.ndarray, first: int) -> list[str]:
+    """Per layer: "dense" for the dense layers, else one letter per KV head, R(etrieval) or S(parse)."""
+    return ["dense" if l < first else "".join("R" if r else "S" for r in row) for l, row in enumerate(roles)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default="models/smollm2")
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--length", type=int, default=3000)
+    ap.add_argument("--queries", type=int, default=4, help="decode queries per evaluation prompt")
+    ap.add_argument("--calibration-queries", type=int, default=16)
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25],
+                    help="retrieval heads as a share of all sparse heads")
+    ap.add_argument("--out", default="bench/results/head_roles_smollm2.json")
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    table = BoundaryTable.from_tokenizer(tok)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
+    first = cfg.dense_layers
+
+    def run(task, seed, queries):
+        _, ids, layers = capture(a.model_dir, make(task, tok, a.length, seed).prompt)
+        return ids, layers, own_masks(cfg, ids, layers, queries, table)
+
+    ids, layers, masks = run(*CALIBRATE, a.calibration_queries)
+    loss = reuse_loss(layers, masks, a.budget, first)
+    weights = attention_weights(layers, masks, first)
+    sparse_heads = (len(layers) - first) * loss.shape[1]
+    res = {"model": a.model_dir, "budget": a.budget, "length": a.length, "queries": a.queries,
+           "calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids), "queries": a.calibration_queries,
+                           "reuse_loss": np.round(loss, 4).tolist()},
+           "evaluation": [], "roles": {}}
+    variants = {}
+    for share in a.shares:
+        count = max(loss.shape[1], round(share * sparse_heads))
+        for name, roles in ((f"hybrid-calibrated-{share:g}", calibrated_roles(weights, masks, first, count)),
+                            (f"layer-sharing-{share:g}", layer_roles(loss, first, count)),
+                            (f"hybrid-staggered-{share:g}", staggered_roles(loss.shape, first, count)),
+                            *((f"hybrid-random-{share:g}-seed{seed}", random_roles(loss.shape, first, count, seed))
+                              for seed in range(3))):
+            variants[name] = roles
+            res["roles"][name] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
+                                  "map": role_map(roles, first)}
+    for task, seed in EVALUATE:
+        ids, layers, masks = run(task, seed, a.queries)
+        row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(
+            {k: mask_metrics(layers[k[0]], k[1], m, a.budget) for k, m in masks.items()})}
+        for name, roles in variants.items():
+            row[name] = chained_metrics(layers, masks, roles, a.budget, first)
+        res["evaluation"].append(row)
+        print(task, {k: round(v["mass_recall"], 3) for k, v in row.items() if isinstance(v, dict)}, flush=True)
+    names = ["all-retrieval", *variants]
+    res["mean_mass_recall"] = {n: float(np.mean([r[n]["mass_recall"] for r in res["evaluation"]])) for n in names}
+    res["mean_out_rel_err"] = {n: float(np.mean([r[n]["out_rel_err"] for r in res["evaluation"]])) for n in names}
+    for r in res["evaluation"]:
+        for n in names:
+            r[n].pop("per_layer")
+    print(json.dumps(res["mean_mass_recall"], indent=1))
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
