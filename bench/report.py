@@ -143,6 +143,16 @@ def roles_table(path: Path) -> str:
                     ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
 
 
+def lifecycle_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    a = r["after"]
+    return md_table(f"Host time of a request's life events, {r['device']}, {a['context']}-token prompt ({a['units']} chunks), "
+                    f"medians of {a['reps']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["version", "adoption: prepare_extend (ms)", "adoption: index placed (ms)", "request end (ms)"],
+                    [(v["commit"], v["adopt_prepare_extend_ms"], v["adopt_place_index_ms"], v["request_end_ms"])
+                     for v in (r["before"], r["after"])])
+
+
 def build_table(path: Path) -> str:
     r = json.loads(path.read_text())
     return md_table(f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} "
@@ -215,7 +225,7 @@ def main():
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
                      ("gpu_serving_h100_flashinfer_recheck.json", serving_table), ("gpu_serving_h100.json", serving_table),
-                     ("index_build_h100.json", build_table),
+                     ("index_build_h100.json", build_table), ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
