@@ -21,11 +21,9 @@ import time
 import numpy as np
 import torch
 
-from sgl_sparsekv.chunking import BoundaryTable
-from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.manager import SparseKVManager
+from bench.host_prepare import VOCAB, pooled_manager
 
-H, D, VOCAB, QUESTION = 8, 128, 32000, 256
+QUESTION = 256
 
 
 def main():
@@ -42,13 +40,9 @@ def main():
             torch.cuda.synchronize()
 
     rng = np.random.default_rng(0)
-    table = BoundaryTable(rng.integers(0, 5, VOCAB).astype(np.int8), rng.random(VOCAB) < 0.3)
-    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
     w = a.context + QUESTION
     rows = a.reps + 2
-    k = torch.randn(rows * w + 1, H, D, device=dev, dtype=torch.bfloat16)
-    m = SparseKVManager(cfg, a.layers, H, D, rows * w + 1, device=dev, boundary_table=table,
-                        summary_dtype=torch.bfloat16, use_pools=True)
+    m, k = pooled_manager(a.layers, rows * w + 1, dev, rng)
     r2t = torch.zeros(rows, w, dtype=torch.int32, device=dev)
     prompt = rng.integers(0, VOCAB, a.context).tolist()
 

@@ -28,6 +28,16 @@ from sgl_sparsekv.patches.pooled_decode import PooledDecode
 LAYERS, H, HQ, D, VOCAB = 32, 8, 32, 128, 32000
 
 
+def pooled_manager(layers: int, slots: int, device, rng) -> tuple[SparseKVManager, torch.Tensor]:
+    """A Llama-3.1-8B-shaped pooled lychee manager (budget 1024, a synthetic boundary table) and one random key
+    buffer of ``slots`` slots that stands in for every layer's."""
+    table = BoundaryTable(rng.integers(0, 5, VOCAB).astype(np.int8), rng.random(VOCAB) < 0.3)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
+    k = torch.randn(slots, H, D, device=device, dtype=torch.bfloat16)
+    return SparseKVManager(cfg, layers, H, D, slots, device=device, boundary_table=table,
+                           summary_dtype=torch.bfloat16, use_pools=True), k
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -36,14 +46,9 @@ def main():
     ap.add_argument("--steps", type=int, default=200)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    table = BoundaryTable(rng.integers(0, 5, VOCAB).astype(np.int8), rng.random(VOCAB) < 0.3)
-    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
     bs, n = a.batch, a.context
     w = n + a.steps + 256
-    slots = bs * w + 1
-    k = torch.randn(slots, H, D, device="cuda", dtype=torch.bfloat16)   # one buffer stands in for every layer
-    m = SparseKVManager(cfg, LAYERS, H, D, slots, device="cuda", boundary_table=table,
-                        summary_dtype=torch.bfloat16, use_pools=True)
+    m, k = pooled_manager(LAYERS, bs * w + 1, "cuda", rng)
     r2t = torch.zeros(bs + 1, w, dtype=torch.int32, device="cuda")
     rows = list(range(1, bs + 1))
     toks = []
