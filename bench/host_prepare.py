@@ -35,7 +35,7 @@ def pooled_manager(layers: int, slots: int, device, rng) -> tuple[SparseKVManage
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
     k = torch.randn(slots, H, D, device=device, dtype=torch.bfloat16)
     return SparseKVManager(cfg, layers, H, D, slots, device=device, boundary_table=table,
-                           summary_dtype=torch.bfloat16, use_pools=True), k
+                           summary_dtype=torch.bfloat16), k
 
 
 def main():

@@ -1,6 +1,6 @@
 """Lazy grafting on the GPU: add packed decode chunks to their nearest fine cluster, in the index pools.
 
-Twin: ``sgl_sparsekv.index.graft`` (one request, all heads). Here one launch serves a list of jobs
+Twin: :func:`graft_chunks_ref` (``sgl_sparsekv.index.graft`` on views of the pool rows). One launch serves a list of jobs
 (one new chunk of one request each) for every sparse layer and KV head at once: program
 (job, layer * H + head) finds the nearest non-empty fine cluster of that request by inner product
 (first index on ties, like ``argmax``), moves its centroid by running mean, grows its radius by the
@@ -13,6 +13,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sgl_sparsekv.index import graft
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), as fp32: the stored centroid. In integer ops, because the
+    Triton interpreter truncates in a plain cast."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -44,7 +55,7 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
         node = (fo + offs_l) * H + h
         n = tl.load(FN + fbase + node, mask=lmask, other=0.0)
         mu = tl.load(FMu + (fbase + node)[:, None] * D + offs_d[None, :], mask=lmask[:, None] & dmask[None, :],
-                     other=0.0)
+                     other=0.0).to(tl.float32)
         sim = tl.where(lmask & (n > 0), tl.sum(mu * key[None, :], 1), float("-inf"))
         m = tl.max(sim, 0)
         i = tl.argmax(sim, 0, tie_break_left=True)
@@ -54,23 +65,23 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
 
     c = fbase + (fo + best_i) * H + h
     n_c = tl.load(FN + c)
-    mu_c = tl.load(FMu + c * D + offs_d, mask=dmask, other=0.0)
-    new_mu_c = mu_c + (key - mu_c) / (n_c + 1)
+    mu_c = tl.load(FMu + c * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    new_mu_c = _round_bf16(mu_c + (key - mu_c) / (n_c + 1))   # what the pool stores
     shift = tl.sqrt(tl.sum((new_mu_c - mu_c) * (new_mu_c - mu_c), 0))
     dist = tl.sqrt(tl.sum((key - new_mu_c) * (key - new_mu_c), 0))
     new_r_c = tl.maximum(tl.maximum(tl.load(FR + c), 0.0) + shift, dist)
-    tl.store(FMu + c * D + offs_d, new_mu_c, mask=dmask)
+    tl.store(FMu + c * D + offs_d, new_mu_c.to(FMu.dtype.element_ty), mask=dmask)
     tl.store(FR + c, new_r_c)
     tl.store(FN + c, n_c + 1)
     tl.store(FTok + c, tl.load(FTok + c) + length)
 
     g = layer * s_cl + (co + tl.load(FPar + c)) * H + h
     n_g = tl.load(CN + g)
-    mu_g = tl.load(CMu + g * D + offs_d, mask=dmask, other=0.0)
-    new_mu_g = mu_g + (key - mu_g) / (n_g + 1)
+    mu_g = tl.load(CMu + g * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    new_mu_g = _round_bf16(mu_g + (key - mu_g) / (n_g + 1))
     shift_g = tl.sqrt(tl.sum((new_mu_g - mu_g) * (new_mu_g - mu_g), 0))
     reach = tl.sqrt(tl.sum((new_mu_c - new_mu_g) * (new_mu_c - new_mu_g), 0)) + new_r_c
-    tl.store(CMu + g * D + offs_d, new_mu_g, mask=dmask)
+    tl.store(CMu + g * D + offs_d, new_mu_g.to(CMu.dtype.element_ty), mask=dmask)
     tl.store(CR + g, tl.maximum(tl.maximum(tl.load(CR + g), 0.0) + shift_g, reach))
     tl.store(CN + g, n_g + 1)
     tl.store(CTok + g, tl.load(CTok + g) + length)
@@ -97,3 +108,12 @@ def graft_chunks(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows,
         pools.kfine, summary.stride(0), summary.stride(1), summary.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
+
+
+def graft_chunks_ref(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows, starts) -> None:
+    """Torch twin of :func:`graft_chunks`: ``index.graft`` on [layers, heads] views of each job's rows."""
+    pools.kstart[rows.long()] = starts
+    pools.klen[rows.long()] = lengths
+    for uid, length, f0, L, c0, row in zip(*(t.tolist() for t in (units, lengths, fo, ln, co, rows))):
+        view = pools.view(c0, f0, L)
+        pools.kfine[:, row] = graft(view, summary[:, uid, :, 0].float(), float(length))

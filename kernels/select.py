@@ -327,6 +327,55 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
     return lens, windows
 
 
+def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK):
+    """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's pool rows. A node is live
+    where its radius is finite, as the kernels read it."""
+    from sgl_sparsekv.index import ClusterIndex
+    from sgl_sparsekv.select import select_clusters
+
+    cmu, cr, ctok = coarse
+    fmu, fr, ftok, fpar = fine
+    bs, Hq, D = q.shape
+    H = cmu.shape[1]
+    sel = out[1] if out is not None else torch.empty(fr.shape, dtype=torch.float32, device=q.device)
+    for b, (c0, P, f0, L, B) in enumerate(zip(*(t.tolist() for t in (co, pn, fo, ln, budget)))):
+        c, f = slice(c0, c0 + P), slice(f0, f0 + L)
+        view = ClusterIndex(fine_mu=fmu[f].transpose(0, 1).float(), fine_r=fr[f].T, fine_n=(fr[f].T > float("-inf")).float(),
+                            fine_tokens=ftok[f].T, fine_parent=fpar[f].T.long(), coarse_mu=cmu[c].transpose(0, 1).float(),
+                            coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
+                            chunk_fine=fpar[f0:f0].T)
+        sel[f] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max").T.float()
+    return sel
+
+
+def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
+                    dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None):
+    """Torch twin of :func:`emit_tokens`: sink, the selected chunks' tokens outside the recent window, recent."""
+    cfine, cstart, clen = chunks
+    bs, H = rows.shape[0], sel.shape[1]
+    if out is None:
+        out = (torch.empty(bs * H, dtype=torch.int32, device=sel.device),
+               torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device), None)
+    lens, windows = out[0], out[1]
+    for b, (f0, k0, M, row, S) in enumerate(zip(*(t.tolist() for t in (fo, ko, mn, rows, seq_lens)))):
+        slots = req_to_token[row, :S]
+        n_sink = S if S <= dense_limit else min(sink, S)
+        rec = S if S <= dense_limit else max(n_sink, S - recent)
+        M = 0 if S <= dense_limit else M
+        st = cstart[k0:k0 + M].long()
+        en = torch.clamp(st + clen[k0:k0 + M].long(), max=rec)
+        st = torch.clamp(st, min=n_sink)
+        for h in range(H):
+            take = sel[f0 + cfine[k0:k0 + M, h].long(), h] > 0
+            mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
+            lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]
+            i = b * H + h
+            windows[i * cap:i * cap + len(lst)] = lst
+            lens[i] = len(lst)
+    return lens, windows
+
+
 def pack(indexes, chunk_starts, chunk_lens, device):
     """Host-side packing of per-request ClusterIndex objects into node pools (tests and benchmarks).
 

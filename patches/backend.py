@@ -4,13 +4,13 @@ Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinf
 afterwards the new retrieval units of each sparse layer are summarized from the keys just
 written. Dense layers always decode on the wrapped backend.
 
-Two decode paths for the sparse layers:
-- reference (CPU, and quest on the GPU): per request, ``SparseKVManager.select`` gives a token mask
-  and attention runs over it. A batch with no request past its budget goes to the wrapped backend,
-  so short contexts behave exactly like ``--sparse-kv off``.
-- pooled (lychee on the GPU): ``PooledDecode`` keeps indexes in device pools and runs static-shape
-  kernels, so decode is captured in SGLang's CUDA graphs. Requests within the budget attend to all
-  their tokens through the same kernels.
+Sparse layers decode in one of two ways:
+- lychee: ``PooledDecode`` runs static-shape steps over the index pools, so decode is captured in
+  SGLang's CUDA graphs (Triton kernels on the GPU, their torch twins on the CPU). Requests within the
+  budget attend to all their tokens through the same steps.
+- quest (a baseline): per request, ``SparseKVManager.select`` gives a token mask and attention runs over it.
+An eager batch with no request past its budget goes to the wrapped backend, so short contexts behave
+exactly like ``--sparse-kv off``.
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ class SparseKVAttnBackend(AttentionBackend):
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
             # summaries in the model's dtype on GPU (half the memory); fp32 on CPU for the reference path
-            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16,
-            use_pools=self.use_triton and cfg.method == "lychee")
+            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()
         self.decode_sparse = False
@@ -148,9 +147,10 @@ class SparseKVAttnBackend(AttentionBackend):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         bs = forward_batch.batch_size
         if in_capture:
-            if self.pooled is not None:   # the reference path never runs in a graph (checks.py refuses it)
+            if self.pooled is not None:   # quest never runs in a graph (checks.py refuses it)
                 self.active = self.pooled
                 self.pooled.fill_idle(bs)
+                self.decode_sparse = True
         else:
             self._prepare(forward_batch, bs - (getattr(forward_batch, "num_padding", 0) or 0), padded_bs=bs)
 
@@ -160,6 +160,7 @@ class SparseKVAttnBackend(AttentionBackend):
     def _prepare(self, forward_batch, bs: int, padded_bs: int | None = None):
         mode = forward_batch.forward_mode
         req_to_token = self.req_to_token_pool.req_to_token
+        self.decode_sparse = padded_bs is not None   # a captured graph runs the sparse steps whatever the lengths
         reqs, self.batch_reqs = self.batch_reqs, None
         if mode.is_idle():
             self.plan = PoolPlan()
@@ -182,13 +183,12 @@ class SparseKVAttnBackend(AttentionBackend):
                 self.active = self._big
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
                                 self.token_to_kv_pool.get_key_buffer)
-            self.manager.stats["sparse_steps" if any(map(self.manager.needs_sparse, seq_lens)) else "dense_steps"] += 1
-            self.export_metrics()
         elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
-            self.decode_sparse = any(self.manager.needs_sparse(s) for s in seq_lens)
-            key = "sparse_steps" if self.decode_sparse else "dense_steps"
-            self.manager.stats[key] += 1
+        if mode.is_decode():
+            sparse = any(map(self.manager.needs_sparse, seq_lens))
+            self.decode_sparse |= sparse
+            self.manager.stats["sparse_steps" if sparse else "dense_steps"] += 1
             self.export_metrics()
         else:
             self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
@@ -217,7 +217,7 @@ class SparseKVAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
-        if self.pooled is not None:
+        if self.pooled is not None and self.decode_sparse:
             return self._decode_pooled(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if not self.decode_sparse or not self.manager.is_sparse_layer(lid):
             out = self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)

@@ -1,11 +1,12 @@
-"""Lychee decode on the GPU from the index pools, in static buffers that a CUDA graph captures.
+"""Lychee decode from the index pools, in static buffers that a CUDA graph captures (on the GPU).
 
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
 writes every batch row's pool ranges into fixed ``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
 shapes fixed by the captured batch size, every list at most ``token_budget`` slots. A request past its
 budget whose index found no room in the pools is flagged ``direct``: the attention kernel reads its
-whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``).
+whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``). The same steps
+run on the CPU with the kernels' torch twins (``manager.use_kernels`` off).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import time
 
 import torch
 
-from sgl_sparsekv.kernels.select import emit_tokens, select_fine
-from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
+from sgl_sparsekv.kernels.select import emit_tokens, emit_tokens_ref, select_fine, select_fine_ref
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager
 from sgl_sparsekv.transfer import to_device
 
@@ -45,7 +46,9 @@ class PooledDecode:
         self.sel = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
         self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
-        self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev)
+        self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
+        ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
+        self.select, self.emit = ops
 
     def fill_idle(self, bs: int) -> None:
         """Safe contents for capture: every row a one-token dense request on request row 0."""
@@ -84,17 +87,20 @@ class PooledDecode:
         r = slice(0, bs)
         # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
         qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
-        sel = select_fine(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
+        sel = self.select(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
                           cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel))
-        lens, windows = emit_tokens(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
+        lens, windows = self.emit(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
                                     req_to_token, cfg.sink_tokens, cfg.recent_window, self.cap,
                                     dense_limit=cfg.token_budget, max_chunk=cfg.chunk_max, parts=self.parts,
                                     out=(self.lens[:n], self.windows[:n * self.cap], self.counts[:n * self.parts]))
+        direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
+        if self.workspace is None:
+            return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts[:n], windows, scale, lens=lens,
+                                               direct=direct)
         opart, lse = self.workspace
         ws = (opart[:opart.numel() // self.max_bs * bs], lse[:lse.numel() // self.max_bs * bs])
         return sparse_decode_attention(q, k_buf, v_buf, self.starts[:n], windows, scale, num_splits=SPLITS,
-                                       workspace=ws, lens=lens,
-                                       direct=(self.direct[r], self.rows[r], self.seq[r], req_to_token))
+                                       workspace=ws, lens=lens, direct=direct)
 
 
 def check_table(table, bs: int, cap, req_to_token_shape) -> None:

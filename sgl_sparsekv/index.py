@@ -23,6 +23,14 @@ import torch.nn.functional as F
 from sgl_sparsekv.kernels.kmeans import cluster_sums, cluster_sums_ref, nearest_centroid, nearest_centroid_ref
 
 NEG_INF = float("-inf")
+# centroids are stored in bf16 (half the index pools' memory, half the bytes selection reads); every radius is
+# measured from the stored (rounded) centroid, so the bounds hold exactly for what the kernels read
+CENTROID_DTYPE = torch.bfloat16
+
+
+def stored(mu: torch.Tensor) -> torch.Tensor:
+    """fp32 centroids rounded to what ``CENTROID_DTYPE`` storage holds."""
+    return mu.to(CENTROID_DTYPE).float()
 
 
 def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
@@ -82,6 +90,11 @@ class ClusterIndex:
     def clone(self) -> "ClusterIndex":
         return ClusterIndex(**{k: v.clone() for k, v in vars(self).items()})
 
+    def compact(self) -> "ClusterIndex":
+        """A copy with centroids in their storage dtype (exact: they are rounded to it), for caching."""
+        return ClusterIndex(**{k: v.to(CENTROID_DTYPE) if k.endswith("_mu") else v.clone()
+                               for k, v in vars(self).items()})
+
 
 def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -> tuple[int, int]:
     """L fine clusters (about ``fine_cluster_size`` chunks each) and P <= max_coarse coarse units (~sqrt L)."""
@@ -96,6 +109,7 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     H, M, d = keys.shape
     L, P = cluster_counts(M, fine_cluster_size, max_coarse)
     fine_mu, chunk_fine = spherical_kmeans(keys, L, iters)
+    fine_mu = stored(fine_mu)
     dist = (keys - fine_mu.gather(1, chunk_fine[..., None].expand(-1, -1, d))).norm(dim=-1)
     fine_r = scatter_max(dist, chunk_fine, L)
     ones = torch.ones_like(dist)
@@ -103,6 +117,7 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     fine_tokens = scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
 
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
+    coarse_mu = stored(coarse_mu)
     # store fine clusters grouped by coarse unit: a step's live clusters (its expanded units' children) are then
     # contiguous runs, and the fine-bounds kernel skips every block of rows without one
     order = torch.sort(fine_parent, dim=-1, stable=True).indices
@@ -133,39 +148,51 @@ def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluste
     return ClusterIndex(**{k: torch.cat([vars(p)[k] for p in parts]) for k in vars(parts[0])})
 
 
-def graft(index: ClusterIndex, key: torch.Tensor, length: int) -> None:
-    """Lazy update: add one chunk (``key`` [H, d], unit) to its nearest fine cluster, in place.
+def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
+    """Lazy update: add one chunk (``key`` [..., d]) to its nearest fine cluster, in place; returns that
+    cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] views of the index pools'
+    rows (``kernels/graft.py``'s twin), which are written through; ``chunk_fine`` is left to the caller.
 
-    Centroids move by running mean; radii grow by the centroid's shift (so old members stay
-    covered without being revisited) and to cover the new chunk.
+    Centroids move by running mean (kept in ``CENTROID_DTYPE``); radii grow by the stored centroid's shift
+    (so old members stay covered without being revisited) and to cover the new chunk.
     """
-    H, L, d = index.fine_mu.shape
-    heads = torch.arange(H, device=key.device)
-    sim = torch.einsum("hld,hd->hl", index.fine_mu, key)
-    sim = sim.masked_fill(index.fine_n == 0, NEG_INF)
-    c = sim.argmax(-1)                                   # [H]
-    n_c = index.fine_n[heads, c]
-    mu_c = index.fine_mu[heads, c]
-    new_mu_c = mu_c + (key - mu_c) / (n_c + 1)[:, None]
-    shift_c = (new_mu_c - mu_c).norm(dim=-1)
-    old_r_c = index.fine_r[heads, c].clamp_min(0)  # an empty cluster starts at radius 0
-    new_r_c = torch.maximum(old_r_c + shift_c, (key - new_mu_c).norm(dim=-1))
-    index.fine_mu[heads, c] = new_mu_c
-    index.fine_r[heads, c] = new_r_c
-    index.fine_n[heads, c] = n_c + 1
-    index.fine_tokens[heads, c] += length
+    def at(t, i):
+        return t.gather(-1, i)
 
-    g = index.fine_parent[heads, c]
-    n_g = index.coarse_n[heads, g]
-    mu_g = index.coarse_mu[heads, g]
-    new_mu_g = mu_g + (key - mu_g) / (n_g + 1)[:, None]
+    def at_mu(t, i):
+        return t.gather(-2, i[..., None].expand(*i.shape, t.shape[-1])).float()
+
+    sim = torch.einsum("...ld,...d->...l", index.fine_mu.float(), key.float())
+    sim = sim.masked_fill(index.fine_n == 0, NEG_INF)
+    c = sim.argmax(-1, keepdim=True)                     # [..., 1]
+    n_c = at(index.fine_n, c)
+    mu_c = at_mu(index.fine_mu, c)
+    new_mu_c = stored(mu_c + (key[..., None, :] - mu_c) / (n_c + 1)[..., None])
+    shift_c = (new_mu_c - mu_c).norm(dim=-1)
+    old_r_c = at(index.fine_r, c).clamp_min(0)  # an empty cluster starts at radius 0
+    new_r_c = torch.maximum(old_r_c + shift_c, (key[..., None, :] - new_mu_c).norm(dim=-1))
+    index.fine_mu.scatter_(-2, c[..., None].expand_as(new_mu_c), new_mu_c.to(index.fine_mu.dtype))
+    index.fine_r.scatter_(-1, c, new_r_c)
+    index.fine_n.scatter_(-1, c, n_c + 1)
+    index.fine_tokens.scatter_(-1, c, at(index.fine_tokens, c) + length)
+
+    g = at(index.fine_parent, c).long()
+    n_g = at(index.coarse_n, g)
+    mu_g = at_mu(index.coarse_mu, g)
+    new_mu_g = stored(mu_g + (key[..., None, :] - mu_g) / (n_g + 1)[..., None])
     shift_g = (new_mu_g - mu_g).norm(dim=-1)
-    old_r_g = index.coarse_r[heads, g].clamp_min(0)
+    old_r_g = at(index.coarse_r, g).clamp_min(0)
     reach = (new_mu_c - new_mu_g).norm(dim=-1) + new_r_c
-    index.coarse_mu[heads, g] = new_mu_g
-    index.coarse_r[heads, g] = torch.maximum(old_r_g + shift_g, reach)
-    index.coarse_n[heads, g] = n_g + 1
-    index.coarse_tokens[heads, g] += length
+    index.coarse_mu.scatter_(-2, g[..., None].expand_as(new_mu_g), new_mu_g.to(index.coarse_mu.dtype))
+    index.coarse_r.scatter_(-1, g, torch.maximum(old_r_g + shift_g, reach))
+    index.coarse_n.scatter_(-1, g, n_g + 1)
+    index.coarse_tokens.scatter_(-1, g, at(index.coarse_tokens, g) + length)
+    return c[..., 0]
+
+
+def graft_chunk(index: ClusterIndex, key: torch.Tensor, length: int) -> None:
+    """``graft`` one chunk into one layer's index [H, ...] and record its cluster."""
+    c = graft(index, key, length)
     index.chunk_fine = torch.cat([index.chunk_fine, c[:, None]], dim=1)
 
 

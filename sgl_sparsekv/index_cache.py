@@ -1,8 +1,8 @@
 """IndexCache: cluster indexes of finished or running prefixes, so requests that share a prefix share
 its index instead of clustering it again (forks over one document, the next turn of a chat).
 
-An entry is a unit chain from position 0 (unit ids) and, per sparse layer, an index over exactly
-those units. It holds one reference on each of its units, so no id it names can be recycled
+An entry is a unit chain from position 0 (unit ids) and the index of every sparse layer over exactly
+those units (one ``ClusterIndex`` whose heads are layer-major, as the index pools load it). It holds one reference on each of its units, so no id it names can be recycled
 while it lives. A request adopts the entry sharing the longest chain prefix with its own chain,
 if that prefix covers enough of it: it clones the entry's indexes (grafts mutate them), drops the
 entry's units past the shared prefix, and grafts its own remaining units. Least recently used
@@ -12,7 +12,7 @@ entries beyond ``max_entries`` go, releasing their units.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from sgl_sparsekv.index import NEG_INF, ClusterIndex, scatter_sum
 class CachedIndex:
     units: list[int]
     lengths: torch.Tensor                   # tokens per unit
-    layers: dict[int, ClusterIndex] = field(default_factory=dict)
+    index: ClusterIndex
 
 
 def common_prefix(a, b) -> int:
@@ -74,39 +74,32 @@ class IndexCache:
         self.entries.move_to_end(best[0])
         return best
 
-    def adopt(self, eid: int, shared: int, layer: int) -> ClusterIndex | None:
-        entry = self.entries.get(eid)
-        if entry is None or layer not in entry.layers:
-            return None
-        return truncate(entry.layers[layer].clone(), entry.lengths, shared)
+    def adopt(self, eid: int, shared: int) -> ClusterIndex:
+        entry = self.entries[eid]
+        return truncate(entry.index.clone(), entry.lengths, shared)
 
-    def add(self, units: list[int], lengths: torch.Tensor, layer: int, index: ClusterIndex) -> None:
-        """Cache a copy of one layer's index over exactly ``units`` (other layers may follow)."""
+    def add(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
+        """Cache a copy of the index over exactly ``units`` (replacing the entry of the same chain)."""
         if not units or index.num_chunks != len(units):
             return
-        eid = self._by_chain.get((units[-1], len(units)))
-        if eid is None:
-            self.store.retain(units)
-            eid = self._next
-            self._next += 1
-            self.entries[eid] = CachedIndex(list(units), lengths.clone())
-            self._by_chain[(units[-1], len(units))] = eid
-        entry = self.entries[eid]
-        if layer in entry.layers:
-            self.bytes -= entry.layers[layer].nbytes()
-        entry.layers[layer] = index.clone()
-        self.bytes += index.nbytes()
-        self.entries.move_to_end(eid)
+        key = (units[-1], len(units))
+        self.store.retain(units)   # before dropping an entry of the same chain, so no unit goes in between
+        if key in self._by_chain:
+            self._evict(self._by_chain[key])
+        eid = self._next
+        self._next += 1
+        self.entries[eid] = CachedIndex(list(units), lengths.clone(), index.compact())
+        self._by_chain[key] = eid
+        self.bytes += self.entries[eid].index.nbytes()
         while len(self.entries) > 1 and (len(self.entries) > self.max_entries or self.bytes > self.max_bytes):
             self._evict(next(iter(self.entries)))
 
-    def put(self, units: list[int], lengths: torch.Tensor, indexes: dict[int, ClusterIndex]) -> None:
-        """Cache every layer of a finished request; drops the entries its chain extends."""
+    def put(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
+        """Cache the index of a finished request; drops the entries its chain extends."""
         for eid in [e for e, ent in self.entries.items()
                     if len(ent.units) < len(units) and common_prefix(ent.units, units) == len(ent.units)]:
             self._evict(eid)
-        for l, ix in indexes.items():
-            self.add(units, lengths, l, ix)
+        self.add(units, lengths, index)
 
     def evict_lru(self) -> bool:
         """Drop the least recently used entry (its units go back to the store unless used elsewhere)."""
@@ -117,7 +110,7 @@ class IndexCache:
 
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)
-        self.bytes -= sum(ix.nbytes() for ix in entry.layers.values())
+        self.bytes -= entry.index.nbytes()
         del self._by_chain[(entry.units[-1], len(entry.units))]
         self.store.release(entry.units)
 

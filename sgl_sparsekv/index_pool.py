@@ -7,6 +7,7 @@ of rows in each pool; its chunk range has room to grow, so grafting decoded chun
 
     coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
+    (centroids mu in ``index.CENTROID_DTYPE``, the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
 A ``ClusterIndex`` over all sparse layers at once (heads ``Ls * H``, layer-major) moves in and out of a
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import ClusterIndex
+from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex
 
 
 class RangeAllocator:
@@ -90,7 +91,7 @@ class PoolCapacity:
     chunks: int
 
     def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
-        node = heads * (head_dim * 4 + 3 * 4)              # mu, r, tok, n in fp32
+        node = heads * (head_dim * CENTROID_DTYPE.itemsize + 3 * 4)   # mu; r, tok, n in fp32
         per_layer = self.coarse * node + self.fine * (node + heads * 4) + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
@@ -115,10 +116,11 @@ class IndexPools:
             return torch.zeros(*shape, dtype=torch.float32, device=device)
 
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.cmu, self.cr, self.ctok, self.cn = (f32(layers, cap.coarse, heads, head_dim),
-                                                 *(f32(layers, cap.coarse, heads) for _ in range(3)))
-        self.fmu, self.fr, self.ftok, self.fn = (f32(layers, cap.fine, heads, head_dim),
-                                                 *(f32(layers, cap.fine, heads) for _ in range(3)))
+        def mu(rows):
+            return torch.zeros(layers, rows, heads, head_dim, dtype=CENTROID_DTYPE, device=device)
+
+        self.cmu, self.cr, self.ctok, self.cn = mu(cap.coarse), *(f32(layers, cap.coarse, heads) for _ in range(3))
+        self.fmu, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(3))
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -127,6 +129,9 @@ class IndexPools:
                       "chunks": RangeAllocator(cap.chunks)}
         self.capacity = cap
         self.generation = 0   # bumped by every free: a request that found no room retries only after one
+
+    def nbytes(self) -> int:
+        return self.capacity.nbytes(self.layers, self.heads, self.head_dim)
 
     def fill(self) -> dict:
         """Rows in use and capacity of each pool, for /server_info and /metrics."""
@@ -150,6 +155,18 @@ class IndexPools:
         return ((self.cmu[l], self.cr[l], self.ctok[l]),
                 (self.fmu[l], self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
+
+    def view(self, co: int, fo: int, L: int) -> ClusterIndex:
+        """The rows of one range as a ClusterIndex of [Ls, H, ...] views (written through), coarse rows from
+        ``co`` to the pools' end (the fine parents index them); no chunk rows. ``index.graft`` runs on it."""
+        def t(x):
+            return x.transpose(1, 2)
+
+        c, f = slice(co, None), slice(fo, fo + L)
+        return ClusterIndex(fine_mu=t(self.fmu[:, f]), fine_r=t(self.fr[:, f]), fine_n=t(self.fn[:, f]),
+                            fine_tokens=t(self.ftok[:, f]), fine_parent=t(self.fpar[:, f]),
+                            coarse_mu=t(self.cmu[:, c]), coarse_r=t(self.cr[:, c]), coarse_n=t(self.cn[:, c]),
+                            coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]))
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
@@ -180,9 +197,9 @@ class IndexPools:
     def export(self, rng: PoolRanges) -> ClusterIndex:
         c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)
         j = self._join
-        return ClusterIndex(fine_mu=j(self.fmu[:, f]), fine_r=j(self.fr[:, f]), fine_n=j(self.fn[:, f]),
+        return ClusterIndex(fine_mu=j(self.fmu[:, f]).float(), fine_r=j(self.fr[:, f]), fine_n=j(self.fn[:, f]),
                             fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
-                            coarse_mu=j(self.cmu[:, c]), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
+                            coarse_mu=j(self.cmu[:, c]).float(), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
                             coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
 
     def add_chunk(self, rng: PoolRanges) -> int | None:

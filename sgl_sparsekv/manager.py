@@ -1,19 +1,20 @@
 """SparseKVManager: the whole sparse-decoding data path for one model replica, in plain torch.
 
+One orchestration for lychee on every device: each request's cluster index (every sparse layer) lives
+in the fixed index pools (``index_pool.py``), and decode runs static-shape steps over them, which a
+CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch twins on the CPU.
+
     prefill  -> prepare_extend: cut the request's new tokens into units, reuse the prefix's units
     (layer)  -> pool_layer:     summarize the new units from the layer's freshly written keys
-    decode   -> prepare_decode: pack the decoded tokens into a unit once its window is known
-    (layer)  -> pool_layer, then select: index (built on first use, grafted after) -> token mask
-    free     -> request_freed / slots_freed: deferred, applied at the next batch
-
-On the GPU (``use_pools``) decode keeps every request's index in fixed device pools instead, so the
-per-layer work is static-shape kernels that a CUDA graph can hold:
-
-    prefill  -> finish_extend: after the last layer, place the index of every request whose prompt is
-                complete (adopted from a shared prefix, or built), so decode steps never run a k-means
+             -> finish_extend:  after the last layer, place the index of every request whose prompt is
+                                complete (adopted from a cached prefix, or built), so decode never clusters
     decode   -> prepare_decode_pooled: cut, summarize new units for every layer, graft new chunks
-                (kernels/graft.py) -> per-request pool ranges
-    (layer)  -> kernels/select.py (select_fine, emit_tokens) and kernels/sparse_decode.py, in the backend
+                (``graft_chunks``) -> per-request pool ranges
+    (layer)  -> select_fine, emit_tokens, sparse_decode_attention (``patches/pooled_decode.py``)
+    free     -> request_freed / slots_freed: deferred, applied at the next batch; a finished request
+                leaves its grafted index in the IndexCache for the next turn or fork
+
+Quest (a baseline) keeps page summaries in the unit store and selects per request (``select``).
 
 A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
 scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
@@ -40,12 +41,12 @@ import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import ClusterIndex, build_index, build_index_grouped, graft
+from sgl_sparsekv.index import build_index_grouped
 from sgl_sparsekv.index_cache import IndexCache
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
-from sgl_sparsekv.kernels.graft import graft_chunks
+from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
-from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
+from sgl_sparsekv.select import select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.summary import summarize_units
 from sgl_sparsekv.transfer import LateRead, to_device
@@ -53,16 +54,14 @@ from sgl_sparsekv.transfer import LateRead, to_device
 
 @dataclass
 class RequestState:
-    """One live request: its unit chain (in position order) and, per sparse layer, its index."""
+    """One live request: its unit chain (in position order) and its rows in the index pools (lychee)."""
 
     units: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     seq_len: int = 0
-    index: dict[int, ClusterIndex] = field(default_factory=dict)
-    adopted: tuple[int, int] | None = None  # (IndexCache entry, shared units) this request grafts onto
-    pool: PoolRanges | None = None          # pooled path: the request's rows in the index pools
-    # pooled path: the pools' generation when placing the index last failed; until it is placed the request
+    pool: PoolRanges | None = None
+    # the pools' generation when placing the index last failed; until it is placed the request
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
 
@@ -97,7 +96,6 @@ class PoolPlan:
         return self._packed
 
 
-ALL_LAYERS = -1   # IndexCache key of an all-layer index (pooled path)
 # host seconds of a pooled decode step's phases: frees, chunk cuts, summaries, index placement, grafts
 PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_summarize_s", "prepare_place_s", "prepare_graft_s")
 logger = logging.getLogger("sgl_sparsekv")
@@ -113,12 +111,12 @@ def vecs_per_unit(cfg: SparseKVConfig) -> int:
     return 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
 
 
-def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int, pooled: bool,
+def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                     summary_bytes: int = 2) -> int:
-    """Device memory the manager needs per KV slot (unit summaries, and the index pools when pooled)."""
+    """Memory the manager needs per KV slot (unit summaries, and lychee's index pools)."""
     layers = max(0, num_layers - cfg.dense_layers)
     per = layers * num_kv_heads * vecs_per_unit(cfg) * head_dim * summary_bytes / unit_min(cfg)
-    if pooled:
+    if cfg.method == "lychee":
         per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim) / (1 << 20)
     return int(per * 1.01) + 1   # 1% for the few fixed rows the capacities add
 
@@ -126,24 +124,26 @@ def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, hea
 class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
-                 summary_dtype: torch.dtype = torch.float32, use_pools: bool = False):
+                 summary_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None):
+        """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins."""
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
         self.device = torch.device(device)
+        self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
+        pooled = cfg.method == "lychee"
         if cfg.method == "lychee":
             self.chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, boundary_table)
         else:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
         self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
-                               capacity=num_slots // unit_min(cfg) + 64 if use_pools else 1024,
+                               capacity=num_slots // unit_min(cfg) + 64 if pooled else 1024,
                                dtype=summary_dtype)
         self.pools = None
         self.states: dict[int, RequestState] = {}
         self.index_cache = IndexCache(self.store)
-        if use_pools:
-            assert cfg.method == "lychee", "the pooled path serves lychee"
+        if pooled:
             self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
                                     self.device)
             # the store was sized (and charged to SGLang) for every KV slot's units: cached indexes that keep
@@ -211,12 +211,8 @@ class SparseKVManager:
         # a finished turn leaves its (grafted) index for the next turn that extends it
         if state.pool is not None:
             if state.pool.M == len(state.units):
-                self.index_cache.put(state.units, self._lengths(state), {ALL_LAYERS: self.pools.export(state.pool)})
+                self.index_cache.put(state.units, self._lengths(state), self.pools.export(state.pool))
             self.pools.free(state.pool)
-        if state.index:
-            for l, index in state.index.items():
-                self._graft_missing(index, l, state)
-            self.index_cache.put(state.units, self._lengths(state), state.index)
         self.store.release(state.units)
 
     # ------------------------------------------------------------------ per batch (forward thread)
@@ -299,7 +295,7 @@ class SparseKVManager:
             state.ends.append(b)
             prev = end
 
-    # ------------------------------------------------------------------ pooled decode (GPU)
+    # ------------------------------------------------------------------ lychee decode over the index pools
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                               tokens: list, k_buffers) -> list[PoolRanges | None]:
         """Everything a decode step needs before its (graph-captured) layers run; per request its pool ranges.
@@ -341,7 +337,7 @@ class SparseKVManager:
             return
         layers = range(self.cfg.dense_layers, self.num_layers)
         bufs = [k_buffers(l) for l in layers]
-        if not bufs or not bufs[0].is_cuda:
+        if not bufs or not self.use_kernels:
             for l, k in zip(layers, bufs):
                 self.pool_layer(l, k, plan)
             return
@@ -366,8 +362,7 @@ class SparseKVManager:
         lengths = self._lengths(state)
         found = self.index_cache.find(state.units)
         if found is not None:
-            ix = self.index_cache.adopt(*found, ALL_LAYERS)
-        if ix is not None:
+            ix = self.index_cache.adopt(*found)
             self.stats["index_reused"] += 1
         else:
             t0 = time.perf_counter()
@@ -378,7 +373,7 @@ class SparseKVManager:
                                      self.cfg.kmeans_iters)
             self.stats["index_builds"] += 1
             self.stats["index_build_s"] += time.perf_counter() - t0
-            self.index_cache.add(state.units, lengths, ALL_LAYERS, ix)
+            self.index_cache.add(state.units, lengths, ix)
         n = ix.num_chunks
         starts = to_device(torch.tensor(state.starts[:n], dtype=torch.int32), self.device)
         state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))
@@ -407,8 +402,7 @@ class SparseKVManager:
                 row = self.pools.add_chunk(state.pool)
                 if row is None:
                     # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
-                    self.index_cache.add(state.units[:i], self._lengths(state)[:i], ALL_LAYERS,
-                                         self.pools.export(state.pool))
+                    self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(state.pool))
                     self._unplaced(state)
                     self.pools.free(state.pool)   # a new generation: the request retries at the next step
                     state.pool = None
@@ -419,7 +413,7 @@ class SparseKVManager:
             if not jobs:
                 return
             cols = to_device(torch.tensor(jobs, dtype=torch.int32).T.contiguous(), self.device)
-            graft_chunks(self.pools, self.store.summary, *cols)
+            (graft_chunks if self.use_kernels else graft_chunks_ref)(self.pools, self.store.summary, *cols)
             self.stats["grafts"] += len(jobs)
 
     # ------------------------------------------------------------------ per layer
@@ -434,13 +428,13 @@ class SparseKVManager:
         if not plan.spans or not self.is_sparse_layer(layer_id):
             return
         ids, slots, indptr = plan.packed(self.device)
-        summarize = pool_units if k_buffer.is_cuda else summarize_units
+        summarize = pool_units if self.use_kernels else summarize_units
         summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
         l = layer_id - self.cfg.dense_layers
         self.store.summary[l, ids] = summary.view(len(ids), *self.store.shape).to(self.store.dtype)
 
     def select(self, layer_id: int, req_pool_idx: int, q: torch.Tensor) -> torch.Tensor | None:
-        """bool [H, seq_len] of tokens to attend for one request; None means attend densely.
+        """Quest: bool [H, seq_len] of tokens to attend for one request; None means attend densely.
 
         q: [H, G, d] the request's query heads grouped by KV head.
         """
@@ -450,51 +444,15 @@ class SparseKVManager:
             return None
         sink = min(cfg.sink_tokens, S)
         recent = min(cfg.recent_window, S - sink)
-        budget = cfg.token_budget - sink - recent
-        l = layer_id - cfg.dense_layers
         starts = torch.tensor(state.starts, dtype=torch.int64, device=self.device)
         ends = torch.tensor(state.ends, dtype=torch.int64, device=self.device)
-        qf = q.to(torch.float32)
-        if not state.units:
-            unit_sel = torch.zeros(q.shape[0], 0, dtype=torch.bool, device=self.device)
-        elif cfg.method == "lychee":
-            index = self._index(l, state)
-            unit_sel = select_chunks(index, qf, budget, cfg.coarse_expand, cfg.gqa_reduce)
-        else:
-            summ = self.store.summary[l, state.units].to(torch.float32)   # [N, H, 2, d]
-            unit_sel = select_pages(qf, summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1),
-                                    budget, cfg.page_size, cfg.gqa_reduce)
+        summ = self.store.summary[layer_id - cfg.dense_layers, state.units].to(torch.float32)   # [N, H, 2, d]
+        unit_sel = select_pages(q.to(torch.float32), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1),
+                                cfg.token_budget - sink - recent, cfg.page_size, cfg.gqa_reduce)
         return units_to_token_mask(unit_sel, starts, ends, S, sink, recent)
 
     def _lengths(self, state: RequestState) -> torch.Tensor:
         return to_device(torch.tensor(state.ends) - torch.tensor(state.starts), self.device)
-
-    def _index(self, l: int, state: RequestState) -> ClusterIndex:
-        """The request's index at sparse layer ``l``: adopted from a shared prefix or built, then grafted."""
-        index = state.index.get(l)
-        if index is None:
-            if state.adopted is None:
-                # requests earlier in this very batch may have just cached this layer for a shared prefix
-                state.adopted = self.index_cache.find(state.units)
-            if state.adopted is not None:
-                index = self.index_cache.adopt(*state.adopted, l)
-            if index is not None:
-                self.stats["index_reused"] += 1
-            else:
-                keys = self.store.summary[l, state.units, :, 0].to(torch.float32).transpose(0, 1)  # [H, M, d]
-                index = build_index(keys, self._lengths(state), self.cfg.fine_cluster_size, self.cfg.max_coarse,
-                                    self.cfg.kmeans_iters)
-                self.stats["index_builds"] += 1
-                self.index_cache.add(state.units, self._lengths(state), l, index)
-            state.index[l] = index
-        self._graft_missing(index, l, state)
-        return index
-
-    def _graft_missing(self, index: ClusterIndex, l: int, state: RequestState) -> None:
-        """Lazy update: graft the units the request packed since its index was last brought up to date."""
-        for i in range(index.num_chunks, len(state.units)):
-            graft(index, self.store.summary[l, state.units[i], :, 0].to(torch.float32), state.ends[i] - state.starts[i])
-            self.stats["grafts"] += 1
 
     # ------------------------------------------------------------------ reporting
     def snapshot_stats(self) -> dict:
@@ -503,8 +461,9 @@ class SparseKVManager:
         out["live_units"] = self.store.live_units
         out["unit_capacity"] = self.store.capacity
         out["live_requests"] = len(self.states)
-        out["index_bytes"] = (self.store.nbytes() + self.index_cache.nbytes()
-                              + sum(ix.nbytes() for s in self.states.values() for ix in s.index.values()))
+        out["index_bytes"] = self.store.nbytes() + self.index_cache.nbytes()
+        if self.pools is not None:
+            out["index_bytes"] += self.pools.nbytes()
         out["cached_indexes"] = len(self.index_cache.entries)
         # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
         held = (self.store.keyed_units + self.store.unkeyed + sum(len(e.units) for e in self.index_cache.entries.values())

@@ -162,7 +162,8 @@ def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smoll
     assert len(out["fork_answers"]) == len(questions)
     if method == "lychee":
         # the forks adopted the document's cluster index instead of clustering it once per fork
-        assert after["index_reused"] - before["index_reused"] >= 28
+        assert after["index_reused"] - before["index_reused"] >= len(questions)
+        assert after["index_builds"] == before["index_builds"]
     n_doc_units = len(smollm2_tokenizer.encode(doc)) // 16
     # each fork's prefill found the document's units in the radix cache instead of rebuilding them
     assert after["units_reused"] - before["units_reused"] >= len(questions) * n_doc_units * 0.9
@@ -183,7 +184,8 @@ def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     assert s2["units_built"] - s1["units_built"] < 0.1 * built_first
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
     if method == "lychee":
-        assert s2["index_reused"] - s1["index_reused"] == 28  # every sparse layer (30 - 2 dense)
+        assert s2["index_reused"] - s1["index_reused"] == 1   # one index holds every sparse layer
+        assert s2["index_builds"] == s1["index_builds"]
 
 
 def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index, build_index_grouped, cluster_counts, graft, upper_bound
+from sgl_sparsekv.index import build_index, build_index_grouped, cluster_counts, graft_chunk, upper_bound
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
 
@@ -46,7 +46,7 @@ def test_bounds_after_build_and_grafts(kind, H, M, d, G):
     # many lazy updates: new chunks drift away from the build's distribution
     for i in range(200):
         new = F.normalize(_keys(kind, H, 1, d, gen)[:, 0] + 0.01 * i * torch.randn(H, d, generator=gen), dim=-1)
-        graft(index, new, 12)
+        graft_chunk(index, new, 12)
         keys = torch.cat([keys, new[:, None]], dim=1)
     assert index.num_chunks == M + 200
     assert torch.equal(index.fine_n.sum(1), torch.full((H,), float(M + 200)))
@@ -168,20 +168,20 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     ids = [store.add_or_reuse(i * 10, i * 10 + 10, i)[0] for i in range(12)]
     lens = torch.full((12,), 10)
     index = build_index(_keys("random", 2, 12, 16, gen), lens, 2.0, 64, 5)
-    one = index.nbytes()
+    one = index.compact().nbytes()   # the cache keeps centroids in their storage dtype
     cache = IndexCache(store, max_bytes=int(2.5 * one))
-    cache.add(ids, lens, 0, index)
+    cache.add(ids, lens, index)
     assert all(int(store.refs[i]) == 3 for i in ids)  # slot + caller + cache
     # a request sharing the first 10 units adopts a copy truncated to them, with valid bookkeeping
     found = cache.find(ids[:10] + [ids[11]])
     assert found is not None and found[1] == 10
-    adopted = cache.adopt(*found, 0)
+    adopted = cache.adopt(*found)
     assert adopted.num_chunks == 10 and int(adopted.fine_tokens.sum()) == 2 * 100
-    assert adopted.fine_mu.data_ptr() != cache.entries[found[0]].layers[0].fine_mu.data_ptr()
+    assert adopted.fine_mu.data_ptr() != cache.entries[found[0]].index.fine_mu.data_ptr()
     assert cache.find(ids[:5] + ids[6:]) is None  # shares too little
     # byte cap: older entries go, releasing their unit references
     for n in (11, 10):
-        cache.add(ids[:n], lens[:n], 0, build_index(_keys("random", 2, n, 16, gen), lens[:n], 2.0, 64, 5))
+        cache.add(ids[:n], lens[:n], build_index(_keys("random", 2, n, 16, gen), lens[:n], 2.0, 64, 5))
     assert len(cache.entries) == 2 and cache.nbytes() <= 2.5 * one
     assert int(store.refs[ids[11]]) == 2  # the evicted 12-unit entry released it
     cache.clear()

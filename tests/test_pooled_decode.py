@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from sgl_sparsekv.attend import sparse_decode
-from sgl_sparsekv.index import build_index, graft
+from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
+from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
-from sgl_sparsekv.kernels.graft import graft_chunks
+from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.backend import watch_frees
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
@@ -34,8 +35,9 @@ def test_range_allocator_first_fit_and_merge():
     assert a.free_rows == 100 and a.alloc(100) == 0
 
 
-def test_pool_roundtrip_and_graft_kernel_matches_twin():
-    """load -> export is lossless; the graft kernel equals index.graft on every layer and head."""
+@pytest.mark.parametrize("graft_fn", [graft_chunks, graft_chunks_ref])
+def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn):
+    """load -> export is lossless; the graft kernel and its twin equal index.graft on every layer and head."""
     gen = torch.Generator().manual_seed(1)
     Ls, M, d = 2, 40, 16
     keys = torch.nn.functional.normalize(torch.randn(Ls * H, M, d, generator=gen), dim=-1)
@@ -54,9 +56,9 @@ def test_pool_roundtrip_and_graft_kernel_matches_twin():
     ref = ix.clone()
     for uid, length in ((3, 9), (1, 16), (4, 12)):
         row = pools.add_chunk(rng)
-        graft(ref, summary[:, uid, :, 0].reshape(Ls * H, d), length)
+        graft_chunk(ref, summary[:, uid, :, 0].reshape(Ls * H, d), length)
         cols = torch.tensor([[uid, length, rng.fo, rng.L, rng.co, row, 500 + uid]], dtype=torch.int32).T.contiguous()
-        graft_chunks(pools, summary, *cols)
+        graft_fn(pools, summary, *cols)
     got = pools.export(rng)
     assert rng.kcap == 2 * (M + 2) and rng.M == M + 3
     for name, t in vars(ref).items():
@@ -66,25 +68,14 @@ def test_pool_roundtrip_and_graft_kernel_matches_twin():
 
 
 class TwinWorld(World):
+    """World whose lychee decode steps are checked against the algorithm's spec (``select.select_chunks`` on
+    the request's index as the pools hold it, after this step's grafts)."""
+
     def __init__(self, seed):
         super().__init__("lychee", seed)
-        self.pooled = SparseKVManager(self.cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table(),
-                                      use_pools=True)
-        watch_frees(self.pooled, self.req_pool, self.alloc)
-        self.decoder = PooledDecode(self.pooled, max_bs=8, q_heads=H * G, parts=2)
-        self.v = torch.randn(self.k.shape, generator=torch.Generator().manual_seed(seed))
+        self.pooled, self.decoder = self.manager, PooledDecode(self.manager, max_bs=8, q_heads=H * G, parts=2)
         self.qgen = torch.Generator().manual_seed(seed + 1)
         self.lists_checked = 0
-
-    def forward_extend(self, req, start, end):
-        super().forward_extend(req, start, end)
-        row = req.req_pool_idx
-        slots = self.req_pool.req_to_token[row, start:end].long()
-        toks = torch.tensor(req.tokens[start:end])
-        plan = self.pooled.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
-        for l in range(LAYERS):
-            self.pooled.pool_layer(l, self.k[l], plan)
-        self.pooled.finish_extend([row], [end == len(req.tokens)])   # the index is placed when the prompt is done
 
     def append_tokens(self, reqs):
         """Each request samples one token: its KV is written. -> (rows, lengths, host token ids)."""
@@ -100,29 +91,37 @@ class TwinWorld(World):
         return rows, seqs, [req.tokens for req in reqs]
 
     def decode_batch_unchecked(self, reqs):
-        """One decode step of ``reqs`` through the pooled path only (no comparison): fills the decoder's windows."""
+        """One decode step of ``reqs`` (no comparison): fills the decoder's windows."""
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         self.decoder.prepare(rows, seqs, len(rows), r2t, toks, lambda l: self.k[l])
         q = torch.randn(len(rows), H * G, D, generator=self.qgen)
         self.decoder.attend(q, self.k[1], self.v[1], 0, r2t, D ** -0.5)
 
+    def spec_mask(self, row, S, l, q):
+        """The token mask the algorithm gives request ``row`` at sparse layer ``l``."""
+        st, cfg = self.pooled.states[row], self.cfg
+        if S <= cfg.token_budget or st.pool is None:
+            return torch.ones(H, S, dtype=torch.bool)
+        ix = self.pooled.pools.export(st.pool)
+        heads = slice(l * H, (l + 1) * H)
+        ix = ClusterIndex(**{k: v[heads].float() if v.is_floating_point() else v[heads] for k, v in vars(ix).items()})
+        sink, recent = cfg.sink_tokens, cfg.recent_window
+        sel = select_chunks(ix, q.view(H, G, D), cfg.token_budget - sink - recent, cfg.coarse_expand, cfg.gqa_reduce)
+        return units_to_token_mask(sel, torch.tensor(st.starts), torch.tensor(st.ends), S, sink, recent)
+
     def decode_batch(self, reqs):
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
-        plan = self.manager.prepare_decode(rows, seqs, r2t, toks)
-        for l in range(LAYERS):
-            self.manager.pool_layer(l, self.k[l], plan)
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
         cap, scale = self.cfg.token_budget, D ** -0.5
         for l in range(self.cfg.dense_layers, LAYERS):
             q = torch.randn(padded, H * G, D, generator=self.qgen)
-            out = self.decoder.attend(q, self.k[l], self.v[l], l - self.cfg.dense_layers, r2t, scale)
+            sl = l - self.cfg.dense_layers
+            out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, scale)
             for i, (row, S) in enumerate(zip(rows, seqs)):
-                mask = self.manager.select(l, row, q[i].view(H, G, D))
-                if mask is None:
-                    mask = torch.ones(H, S, dtype=torch.bool)
+                mask = self.spec_mask(row, S, sl, q[i])
                 for h in range(H):
                     j = i * H + h
                     got = self.decoder.windows[j * cap:j * cap + int(self.decoder.lens[j])].tolist()
@@ -132,9 +131,24 @@ class TwinWorld(World):
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, scale)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
 
+    def check_bounds(self):
+        """Every chunk of a placed index lies within its fine cluster's radius of the stored centroid (and so
+        within its coarse unit's): the upper bounds hold for what selection reads, after any grafts."""
+        m = self.pooled
+        for req in self.live:
+            st = m.states[req.req_pool_idx]
+            if st.pool is None:
+                continue
+            ix = m.pools.export(st.pool)
+            keys = m.store.summary[:, st.units, :, 0].float().permute(0, 2, 1, 3).reshape(ix.fine_mu.shape[0], -1, D)
+            for mu, r, owner in ((ix.fine_mu, ix.fine_r, ix.chunk_fine),
+                                 (ix.coarse_mu, ix.coarse_r, ix.fine_parent.gather(1, ix.chunk_fine))):
+                centre = mu.float().gather(1, owner[..., None].expand(-1, -1, D))
+                assert bool(((keys - centre).norm(dim=-1) <= r.gather(1, owner) + 1e-5).all())
+
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pooled_decode_equals_reference_under_radix_history(seed):
+def test_pooled_decode_equals_spec_under_radix_history(seed):
     w = TwinWorld(seed)
     w.rng = random.Random(seed)
     for step in range(14):
@@ -151,16 +165,7 @@ def test_pooled_decode_equals_reference_under_radix_history(seed):
     st = w.pooled.stats
     assert st["index_builds"] + st["index_reused"] > 0 and st["grafts"] > 0 and st["index_pool_full"] == 0
     assert w.lists_checked > 200
-    # every live request's pooled index equals the reference's, layer by layer
-    for req in w.live:
-        ps, rs = w.pooled.states[req.req_pool_idx], w.manager.states[req.req_pool_idx]
-        if ps.pool is None:
-            continue
-        got = w.pooled.pools.export(ps.pool)
-        for l, ix in rs.index.items():
-            heads = slice(l * H, (l + 1) * H)
-            assert torch.equal(got.chunk_fine[heads], ix.chunk_fine)
-            assert torch.allclose(got.fine_mu[heads], ix.fine_mu, atol=1e-5)
+    w.check_bounds()
     # finishing everything returns every pool row
     for req in list(w.live):
         w.finish(req, abort=False)
@@ -172,7 +177,8 @@ def test_pooled_decode_equals_reference_under_radix_history(seed):
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
-    CUDA graph; every replay (with lengths, units and grafts changing) equals the torch reference.
+    CUDA graph; every replay (with lengths, units and grafts changing) equals the same orchestration run with
+    the kernels' torch twins (same index builds, twin grafts, selection, emission and attention).
     ``no_sync``: every decode step's host work runs with CUDA's sync check set to raise (debug checks off, as
     in serving): cutting, summarizing and grafting units never waits for the GPU."""
     from sgl_sparsekv.config import SparseKVConfig
@@ -189,8 +195,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
     k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     r2t = torch.zeros(4, 40_000, dtype=torch.int32, device=dev)
-    ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
-    pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_pools=True)
+    ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_kernels=False)
+    pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
     rows, nxt, toks = [1, 2, 3], 1, []
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
@@ -202,6 +208,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
                 m.pool_layer(l, k[l], plan)
             m.finish_extend([row], [True])
     dec = PooledDecode(pooled, max_bs=4, q_heads=Hk * Gq)
+    twin = PooledDecode(ref, max_bs=4, q_heads=Hk * Gq)
     q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
     outs = [torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16) for _ in range(1, layers)]
     seqs = list(lens)
@@ -211,9 +218,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
             r2t[rows[i], seqs[i]] = nxt + i
             seqs[i] += 1
             toks[i].append(i)
-        plan = ref.prepare_decode(rows, seqs, r2t, toks)
-        for l in range(layers):
-            ref.pool_layer(l, k[l], plan)
+        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l])
         torch.cuda.set_sync_debug_mode("error" if no_sync else 0)
         try:
             dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l])
@@ -236,11 +241,9 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         for l in range(1, layers):
-            for i, row in enumerate(rows):
-                mask = ref.select(l, row, q[i].view(Hk, Gq, d).float())
-                want = sparse_decode(q[i], k[l], v[l], r2t[row, :seqs[i]], mask, d ** -0.5)
-                assert torch.allclose(outs[l - 1][i].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l, row)
-    assert pooled.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
+            want = twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
+            assert torch.allclose(outs[l - 1][:3].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l)
+    assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
     pooled.prepare_extend([], [], [], r2t, [])   # the key slots of the units cut at decode all arrive
     assert pooled.store.unkeyed == 0 and pooled.snapshot_stats()["unit_refs_unaccounted"] == 0
@@ -254,15 +257,15 @@ def test_memory_charged_to_sglang_matches_what_is_allocated():
 
     cfg = SparseKVConfig.from_method("lychee", {"dense_layers": 1})
     slots = 1 << 18
-    m = SparseKVManager(cfg, LAYERS, H, D, slots, boundary_table=synthetic_table(), summary_dtype=torch.bfloat16,
-                        use_pools=True)
+    m = SparseKVManager(cfg, LAYERS, H, D, slots, boundary_table=synthetic_table(), summary_dtype=torch.bfloat16)
     pools = m.pools
     allocated = sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
     assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D)
     summaries = m.store.summary.numel() * m.store.summary.element_size()
-    charged = bytes_per_token(cfg, LAYERS, H, D, pooled=True) * slots
+    charged = bytes_per_token(cfg, LAYERS, H, D) * slots
     assert allocated + summaries <= charged <= 1.03 * (allocated + summaries)
-    assert bytes_per_token(cfg, LAYERS, H, D, pooled=False) < bytes_per_token(cfg, LAYERS, H, D, pooled=True)
+    quest = SparseKVConfig.from_method("quest", {"dense_layers": 1})
+    assert bytes_per_token(quest, LAYERS, H, D) < bytes_per_token(cfg, LAYERS, H, D)
 
 
 def test_full_pools_decode_densely_until_placed(monkeypatch):
@@ -349,14 +352,15 @@ def test_graft_past_int32_offsets():
         summary[:, uid] = torch.nn.functional.normalize(torch.randn(Ls, Hk, 1, d, device=dev, generator=gen),
                                                         dim=-1).to(summary.dtype)
         row = pools.add_chunk(rng)
-        graft(ref, summary[:, uid, :, 0].float().reshape(Ls * Hk, d), 12)
+        graft_chunk(ref, summary[:, uid, :, 0].float().reshape(Ls * Hk, d), 12)
         cols = torch.tensor([[uid, 12, rng.fo, rng.L, rng.co, row, 10_000]], dtype=torch.int32,
                             device=dev).T.contiguous()
         graft_chunks(pools, summary, *cols)
     torch.cuda.synchronize()
     got = pools.export(rng)
     for name, t in vars(ref).items():
-        assert torch.allclose(getattr(got, name).to(t.dtype), t, atol=1e-4), name
+        # a centroid may round to the neighbouring bf16 value (the kernel's fp32 division is not IEEE's)
+        assert torch.allclose(getattr(got, name).to(t.dtype), t, atol=1e-4, rtol=8e-3), name
     pools.check_range(rng)
 
 
@@ -377,7 +381,7 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
     k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     r2t = torch.zeros(4, 30_000, dtype=torch.int32, device=dev)
-    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_pools=True)
+    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
     rows, nxt = [1, 2], 1
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)

@@ -139,3 +139,31 @@ def test_emit_dense_requests_get_every_token():
     assert lens_out.view(bs, H)[0].tolist() == [100, 100]                   # dense: everything
     assert (lens_out.view(bs, H)[1] <= cap).all()                           # sparse: within the cap
     assert windows[:100].tolist() == list(range(7, 107))
+
+
+def test_twins_equal_kernels_on_bf16_pools():
+    """select_fine_ref / emit_tokens_ref (the CPU path) equal the kernels on pools with bf16 centroids."""
+    from sgl_sparsekv.index import CENTROID_DTYPE
+    from sgl_sparsekv.kernels.select import emit_tokens_ref, select_fine_ref
+
+    gen = torch.Generator().manual_seed(11)
+    bs, H, G, D = 3, 2, 4, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [70, 20, 130], gen)
+    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse = (coarse[0].to(CENTROID_DTYPE), *coarse[1:])
+    fine = (fine[0].to(CENTROID_DTYPE), *fine[1:])
+    rem = torch.tensor([200, 90, 500], dtype=torch.int32, device=DEV)
+    seq = torch.tensor([int(s[-1] + l[-1]) + 20 for s, l in zip(starts, lens)], dtype=torch.int32, device=DEV)
+    seq[1] = 100   # within the dense limit: every token
+    req_to_token = (torch.randperm(4 * 4096, generator=gen).view(4, 4096).to(torch.int32) + 1).to(DEV)
+    rows = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEV)
+    got, want = [], []
+    for select, emit, res in ((select_fine, emit_tokens, got), (select_fine_ref, emit_tokens_ref, want)):
+        sel = select(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, parts=2)
+        lens_out, windows = emit(sel, chunks, fo, ko, mn, rows, seq, req_to_token, 16, 64, 400, dense_limit=300)
+        res += [sel.cpu(), lens_out.cpu(), windows.cpu()]
+    rows_used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(fo, ln)])
+    assert torch.equal(got[0][rows_used], want[0][rows_used])
+    assert torch.equal(got[1], want[1]) and int(got[1].view(bs, H)[1, 0]) == 100
+    for i, n in enumerate(got[1].tolist()):
+        assert torch.equal(got[2][i * 400:i * 400 + n], want[2][i * 400:i * 400 + n]), i
