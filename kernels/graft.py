@@ -27,8 +27,8 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
-                  FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine,
+def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row, Start,
+                  FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     # int64 from the start: layer * stride passes 2**31 elements once the unit store is a few GB
@@ -45,6 +45,9 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row,
     co = tl.load(Co + job).to(tl.int64)
     row = tl.load(Row + job).to(tl.int64)
     key = tl.load(Summary + layer * s_sl + uid * s_su + h * s_sh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    if lh == 0:   # the chunk row's position and length, once per job
+        tl.store(KStart + row, tl.load(Start + job))
+        tl.store(KLen + row, tl.load(Length + job))
 
     fbase = layer * s_fl          # [F, H] fields of this layer; mu rows are D wide
     best = float("-inf")
@@ -99,13 +102,11 @@ def graft_chunks(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows,
     n = units.shape[0]
     if n == 0:
         return
-    pools.kstart[rows.long()] = starts
-    pools.klen[rows.long()] = lengths
     Ls, F, H, D = pools.fmu.shape
     _graft_kernel[(n, Ls * H)](
-        summary, units, lengths, fo, ln, co, rows,
+        summary, units, lengths, fo, ln, co, rows, starts,
         pools.fmu, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.cr, pools.cn, pools.ctok,
-        pools.kfine, summary.stride(0), summary.stride(1), summary.stride(2),
+        pools.kfine, pools.kstart, pools.klen, summary.stride(0), summary.stride(1), summary.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
 

@@ -73,26 +73,31 @@ class RequestState:
 @dataclass
 class PoolPlan:
     """Units whose summaries this forward computes: (unit id, request row, start, end) token spans, whose KV
-    slots are gathered from ``req_to_token`` on the device."""
+    slots are gathered from ``req_to_token`` on the device; and the (request row, position) of each decode-cut
+    unit's key slot, gathered in the same pass."""
 
     req_to_token: torch.Tensor | None = None
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    keys: list[tuple[int, int]] = field(default_factory=list)
     _packed: tuple | None = None
 
     def add(self, uid: int, row: int, start: int, end: int) -> None:
         self.spans.append((uid, row, start, end))
 
     def packed(self, device):
-        """(unit ids, token slots, indptr) for summarize_units / kernels.pool.pool_units."""
+        """(unit ids, token slots, indptr, key slots) for summarize_units / kernels.pool.pool_units: one upload
+        and one gather for the whole step."""
         if self._packed is None:
-            uid, row, start, end = np.array(self.spans, dtype=np.int64).T
+            uid, row, start, end = np.array(self.spans, dtype=np.int64).reshape(-1, 4).T
+            krow, kpos = np.array(self.keys, dtype=np.int64).reshape(-1, 2).T
             counts = end - start
             indptr = np.concatenate([[0], np.cumsum(counts)])
             pos = np.arange(indptr[-1]) + np.repeat(start - indptr[:-1], counts)
-            n, t = len(uid), len(pos)
-            flat = to_device(torch.from_numpy(np.concatenate([uid, indptr, np.repeat(row, counts), pos])), device)
-            slots = self.req_to_token[flat[2 * n + 1:2 * n + 1 + t], flat[2 * n + 1 + t:]]
-            self._packed = (flat[:n], slots.to(torch.int32), flat[n:2 * n + 1].to(torch.int32))
+            n, t = len(uid), len(pos) + len(kpos)
+            flat = to_device(torch.from_numpy(np.concatenate([uid, indptr, np.repeat(row, counts), krow, pos, kpos])),
+                             device)
+            slots = self.req_to_token[flat[2 * n + 1:2 * n + 1 + t], flat[2 * n + 1 + t:]].to(torch.int32)
+            self._packed = (flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32), slots[t - len(kpos):])
         return self._packed
 
 
@@ -154,7 +159,7 @@ class SparseKVManager:
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
-        self._new_keys: list[tuple[int, int, int]] = []          # (unit, request row, key position) this step
+        self._new_keys: list[int] = []   # units cut at decode this step (their key positions are in the plan)
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -252,9 +257,7 @@ class SparseKVManager:
             state.seq_len = seq
             self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
         if self._new_keys:
-            uids, rows, pos = zip(*self._new_keys)
-            at = to_device(torch.tensor([rows, pos], dtype=torch.int64), self.device)
-            self._ordered.append(("keys", list(uids), LateRead(req_to_token[at[0], at[1]])))
+            self._ordered.append(("keys", self._new_keys, LateRead(plan.packed(self.device)[3])))
             self._new_keys = []
         return plan
 
@@ -287,7 +290,8 @@ class SparseKVManager:
                 uid, fresh = self.store.add_or_reuse(a, b, slots[prev + la - 1])  # last token the cut depended on
             else:
                 uid, fresh = self.store.add_unkeyed(a, b), True
-                self._new_keys.append((uid, row, a + la - 1))
+                self._new_keys.append(uid)
+                plan.keys.append((row, a + la - 1))
             if fresh:
                 plan.add(uid, row, a, b)
             state.units.append(uid)
@@ -346,7 +350,7 @@ class SparseKVManager:
             assert all(k.shape == bufs[0].shape and k.stride() == bufs[0].stride() and k.dtype == bufs[0].dtype
                        for k in bufs), "the sparse layers' key buffers differ in layout"
             self._k_ptrs = (ptrs, to_device(torch.tensor(ptrs, dtype=torch.int64), self.device))
-        ids, slots, indptr = plan.packed(self.device)
+        ids, slots, indptr, _ = plan.packed(self.device)
         pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, self.store.summary,
                           self.cfg.method == "quest")
 
@@ -427,7 +431,7 @@ class SparseKVManager:
         """Summaries of the plan's new units from this layer's keys (already written to the pool)."""
         if not plan.spans or not self.is_sparse_layer(layer_id):
             return
-        ids, slots, indptr = plan.packed(self.device)
+        ids, slots, indptr, _ = plan.packed(self.device)
         summarize = pool_units if self.use_kernels else summarize_units
         summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
         l = layer_id - self.cfg.dense_layers
