@@ -227,6 +227,7 @@ def main():
                      ("gpu_serving_h100_flashinfer_recheck.json", serving_table), ("gpu_serving_h100.json", serving_table),
                      ("index_build_h100.json", build_table), ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
+                     ("host_prepare_h100.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
         p = RESULTS / name
