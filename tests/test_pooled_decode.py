@@ -16,7 +16,6 @@ from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
 from sgl_sparsekv.manager import SparseKVManager
-from sgl_sparsekv.patches.backend import watch_frees
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
 
