@@ -360,9 +360,12 @@ def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink:
     lens, windows = out[0], out[1]
     for b, (f0, k0, M, row, S) in enumerate(zip(*(t.tolist() for t in (fo, ko, mn, rows, seq_lens)))):
         slots = req_to_token[row, :S]
-        n_sink = S if S <= dense_limit else min(sink, S)
-        rec = S if S <= dense_limit else max(n_sink, S - recent)
-        M = 0 if S <= dense_limit else M
+        if S <= dense_limit:   # the whole sequence as its sink, no chunk scanned
+            n_sink = rec = S
+            M = 0
+        else:
+            n_sink = min(sink, S)
+            rec = max(n_sink, S - recent)
         st = cstart[k0:k0 + M].long()
         en = torch.clamp(st + clen[k0:k0 + M].long(), max=rec)
         st = torch.clamp(st, min=n_sink)
