@@ -36,7 +36,7 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
 DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs", "prepare_frees_s",
-          "prepare_cut_s", "prepare_summarize_s", "prepare_place_s", "prepare_graft_s")
+          "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
 
 
 def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:

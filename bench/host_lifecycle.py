@@ -47,7 +47,7 @@ def main():
     prompt = rng.integers(0, VOCAB, a.context).tolist()
 
     def prefill(row, prefix_row=None):
-        """One request's prefill: host preparation, summaries, index placement (ms of the first and last)."""
+        """One request's prefill: host preparation, then index placement (ms of each)."""
         r2t[row] = torch.arange(1 + row * w, 1 + (row + 1) * w, device=dev)
         plen = 0 if prefix_row is None else a.context
         if prefix_row is not None:
@@ -55,12 +55,11 @@ def main():
         toks = prompt + rng.integers(0, VOCAB, QUESTION).tolist()
         sync()
         t0 = time.perf_counter()
-        plan = m.prepare_extend([row], [plen], [len(toks)], r2t, [toks])
+        m.prepare_extend([row], [plen], [len(toks)], r2t, [toks])
         t1 = time.perf_counter()
-        m.pool_all_layers(lambda l: k, plan)
         sync()
         t2 = time.perf_counter()
-        m.finish_extend([row], [True])
+        m.finish_extend([row], [True], r2t, lambda l: k)
         sync()
         return 1000 * (t1 - t0), 1000 * (time.perf_counter() - t2)
 

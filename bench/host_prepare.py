@@ -34,8 +34,7 @@ def pooled_manager(layers: int, slots: int, device, rng) -> tuple[SparseKVManage
     table = BoundaryTable(rng.integers(0, 5, VOCAB).astype(np.int8), rng.random(VOCAB) < 0.3)
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
     k = torch.randn(slots, H, D, device=device, dtype=torch.bfloat16)
-    return SparseKVManager(cfg, layers, H, D, slots, device=device, boundary_table=table,
-                           summary_dtype=torch.bfloat16), k
+    return SparseKVManager(cfg, layers, H, D, slots, device=device, boundary_table=table), k
 
 
 def main():
@@ -56,9 +55,8 @@ def main():
         # the decoded tokens' slots too, in advance: a step writes nothing to the device itself
         r2t[row, :w] = torch.arange(1 + i * w, 1 + (i + 1) * w, device="cuda")
         toks.append(rng.integers(0, VOCAB, n).tolist())
-        plan = m.prepare_extend([row], [0], [n], r2t, toks[-1:])
-        m.pool_all_layers(lambda l: k, plan)
-        m.finish_extend([row], [True])
+        m.prepare_extend([row], [0], [n], r2t, toks[-1:])
+        m.finish_extend([row], [True], r2t, lambda l: k)
     dec = PooledDecode(m, max_bs=bs, q_heads=HQ)
     seqs = [n] * bs
 

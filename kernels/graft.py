@@ -27,24 +27,24 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row, Start,
+def _graft_kernel(Keys, KeyRow, Length, Fo, Ln, Co, Row, Start,
                   FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
-    # int64 from the start: layer * stride passes 2**31 elements once the unit store is a few GB
+    # int64 from the start: layer * stride can pass 2**31 elements for a large backlog of chunk keys
     job = tl.program_id(0).to(tl.int64)
     lh = tl.program_id(1).to(tl.int64)
     layer = lh // H
     h = lh % H
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    uid = tl.load(Unit + job).to(tl.int64)
+    kr = tl.load(KeyRow + job).to(tl.int64)
     length = tl.load(Length + job).to(tl.float32)
     fo = tl.load(Fo + job).to(tl.int64)
     L = tl.load(Ln + job)
     co = tl.load(Co + job).to(tl.int64)
     row = tl.load(Row + job).to(tl.int64)
-    key = tl.load(Summary + layer * s_sl + uid * s_su + h * s_sh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    key = tl.load(Keys + layer * s_sl + kr * s_su + h * s_sh + offs_d, mask=dmask, other=0.0).to(tl.float32)
     if lh == 0:   # the chunk row's position and length, once per job
         tl.store(KStart + row, tl.load(Start + job))
         tl.store(KLen + row, tl.load(Length + job))
@@ -91,30 +91,30 @@ def _graft_kernel(Summary, Unit, Length, Fo, Ln, Co, Row, Start,
     tl.store(KFine + layer * s_kl + row * H + h, best_i)
 
 
-def graft_chunks(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows, starts) -> None:
+def graft_chunks(pools, keys: torch.Tensor, key_rows, lengths, fo, ln, co, rows, starts) -> None:
     """Graft one chunk per job into ``pools`` (sgl_sparsekv.index_pool.IndexPools), every layer and head.
 
-    summary: [layers, U, H, 1, d] unit summaries (the chunk keys); units/lengths/starts: the chunks' unit ids,
-    token counts and first positions; fo/ln/co: each job's request ranges (fine offset and count, coarse
+    keys: [layers, U, H, 1, d] chunk keys (``SparseKVManager.chunk_keys``); key_rows/lengths/starts: each chunk's
+    row of ``keys``, token count and first position; fo/ln/co: each job's request ranges (fine offset and count, coarse
     offset); rows: the chunk-pool row each chunk is recorded at. All int32 [jobs] tensors on the pools'
     device, so nothing here waits for the GPU.
     """
-    n = units.shape[0]
+    n = key_rows.shape[0]
     if n == 0:
         return
     Ls, F, H, D = pools.fmu.shape
     _graft_kernel[(n, Ls * H)](
-        summary, units, lengths, fo, ln, co, rows, starts,
+        keys, key_rows, lengths, fo, ln, co, rows, starts,
         pools.fmu, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.cr, pools.cn, pools.ctok,
-        pools.kfine, pools.kstart, pools.klen, summary.stride(0), summary.stride(1), summary.stride(2),
+        pools.kfine, pools.kstart, pools.klen, keys.stride(0), keys.stride(1), keys.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
 
 
-def graft_chunks_ref(pools, summary: torch.Tensor, units, lengths, fo, ln, co, rows, starts) -> None:
+def graft_chunks_ref(pools, keys: torch.Tensor, key_rows, lengths, fo, ln, co, rows, starts) -> None:
     """Torch twin of :func:`graft_chunks`: ``index.graft`` on [layers, heads] views of each job's rows."""
     pools.kstart[rows.long()] = starts
     pools.klen[rows.long()] = lengths
-    for uid, length, f0, L, c0, row in zip(*(t.tolist() for t in (units, lengths, fo, ln, co, rows))):
+    for kr, length, f0, L, c0, row in zip(*(t.tolist() for t in (key_rows, lengths, fo, ln, co, rows))):
         view = pools.view(c0, f0, L)
-        pools.kfine[:, row] = graft(view, summary[:, uid, :, 0].float(), float(length))
+        pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(length))

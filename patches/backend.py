@@ -1,7 +1,8 @@
 """SparseKVAttnBackend: SGLang attention backend that wraps the configured one.
 
-Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinfer on GPU);
-afterwards the new retrieval units of each sparse layer are summarized from the keys just
+Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinfer on GPU); after
+the last layer, lychee places each complete prompt's index (built from chunk keys pooled from the
+KV, or adopted from a cached prefix); quest summarizes its new pages per layer from the keys just
 written. Dense layers always decode on the wrapped backend.
 
 Sparse layers decode in one of two ways:
@@ -115,7 +116,7 @@ class SparseKVAttnBackend(AttentionBackend):
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
-            # summaries in the model's dtype on GPU (half the memory); fp32 on CPU, where the torch twins run
+            # quest's summaries in the model's dtype on GPU (half the memory); fp32 on CPU, where the twins run
             summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()
@@ -212,7 +213,8 @@ class SparseKVAttnBackend(AttentionBackend):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self.manager.pool_layer(layer.layer_id, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.plan)
         if layer.layer_id == self.manager.num_layers - 1:
-            self.manager.finish_extend(*self.extend_rows)
+            self.manager.finish_extend(*self.extend_rows, self.req_to_token_pool.req_to_token,
+                                       self.token_to_kv_pool.get_key_buffer)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -32,8 +32,8 @@ def wrap_attention_backend(original, runner, *args, **kwargs):
 
 
 def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kwargs):
-    """Per-token bytes of the KV pool plus the unit summaries and index pools, so SGLang sizes the KV pool
-    with room for them (they are allocated at startup, after the KV pool)."""
+    """Per-token bytes of the KV pool plus quest's unit summaries or lychee's index pools, so SGLang sizes the
+    KV pool with room for them (they are allocated at startup, after the KV pool)."""
     cfg = flags.config_of(runner.server_args)
     if not cfg.enabled or runner.is_draft_worker:
         return cell_size
@@ -44,7 +44,7 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
     mc = runner.model_config
     extra = bytes_per_token(cfg, num_layers, mc.get_num_kv_heads(get_attention_tp_size()), mc.head_dim,
                             summary_bytes=4 if runner.device == "cpu" else 2)   # the backend's summary dtype
-    logger.info("sparse-kv: %d bytes per KV slot for summaries and index pools (KV itself: %d)", extra, cell_size)
+    logger.info("sparse-kv: %d bytes per KV slot for unit summaries or index pools (KV itself: %d)", extra, cell_size)
     return cell_size + extra
 
 

@@ -101,13 +101,6 @@ class IndexCache:
             self._evict(eid)
         self.add(units, lengths, index)
 
-    def evict_lru(self) -> bool:
-        """Drop the least recently used entry (its units go back to the store unless used elsewhere)."""
-        if not self.entries:
-            return False
-        self._evict(next(iter(self.entries)))
-        return True
-
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)
         self.bytes -= entry.index.nbytes()

@@ -5,16 +5,19 @@ in the fixed index pools (``index_pool.py``), and decode runs static-shape steps
 CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch twins on the CPU.
 
     prefill  -> prepare_extend: cut the request's new tokens into units, reuse the prefix's units
-    (layer)  -> pool_layer:     summarize the new units from the layer's freshly written keys
              -> finish_extend:  after the last layer, place the index of every request whose prompt is
-                                complete (adopted from a cached prefix, or built), so decode never clusters
-    decode   -> prepare_decode_pooled: cut, summarize new units for every layer, graft new chunks
-                (``graft_chunks``) -> per-request pool ranges
+                                complete (adopted from a cached prefix, or built from its chunk keys), so
+                                decode never clusters
+    decode   -> prepare_decode_pooled: cut, graft the chunks each index lacks (``graft_chunks``)
+                -> per-request pool ranges
     (layer)  -> select_fine, emit_tokens, sparse_decode_attention (``patches/pooled_decode.py``)
     free     -> request_freed / slots_freed: deferred, applied at the next batch; a finished request
                 leaves its grafted index in the IndexCache for the next turn or fork
 
-Quest (a baseline) keeps page summaries in the unit store and selects per request (``select``).
+Lychee stores no per-chunk summary: a chunk's key (its L2-normalized mean key, per sparse layer and KV head) is
+computed from the KV pool when a build or a graft needs it (``chunk_keys``), and only the index keeps what it
+needs of it. Quest (a baseline) keeps page summaries (key min and max) in the unit store, written per layer as the
+prefill writes the keys (``pool_layer``), and selects per request (``select``).
 
 A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
 scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
@@ -64,6 +67,7 @@ class RequestState:
     # the pools' generation when placing the index last failed; until it is placed the request
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
+    row: int = -1   # the request's row in req_to_token (its key in ``SparseKVManager.states``)
 
     @property
     def indexed_end(self) -> int:
@@ -72,9 +76,9 @@ class RequestState:
 
 @dataclass
 class PoolPlan:
-    """Units whose summaries this forward computes: (unit id, request row, start, end) token spans, whose KV
-    slots are gathered from ``req_to_token`` on the device; and the (request row, position) of each decode-cut
-    unit's key slot, gathered in the same pass."""
+    """Token spans whose keys this forward pools: (output row, request row, start, end), whose KV slots are
+    gathered from ``req_to_token`` on the device; and the (request row, position) of each decode-cut unit's key
+    slot, gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``."""
 
     req_to_token: torch.Tensor | None = None
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
@@ -85,8 +89,8 @@ class PoolPlan:
         self.spans.append((uid, row, start, end))
 
     def packed(self, device):
-        """(unit ids, token slots, indptr, key slots) for summarize_units / kernels.pool.pool_units: one upload
-        and one gather for the whole step."""
+        """(output rows, token slots, indptr, key slots) for summarize_units / kernels.pool.pool_units: one
+        upload and one gather for the whole step."""
         if self._packed is None:
             uid, row, start, end = np.array(self.spans, dtype=np.int64).reshape(-1, 4).T
             krow, kpos = np.array(self.keys, dtype=np.int64).reshape(-1, 2).T
@@ -101,8 +105,8 @@ class PoolPlan:
         return self._packed
 
 
-# host seconds of a pooled decode step's phases: frees, chunk cuts, summaries, index placement, grafts
-PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_summarize_s", "prepare_place_s", "prepare_graft_s")
+# host seconds of a pooled decode step's phases: frees, chunk cuts, index placement, grafts (with their chunk keys)
+PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
 logger = logging.getLogger("sgl_sparsekv")
 # SGL_SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
 DEBUG = os.environ.get("SGL_SPARSEKV_DEBUG") == "1"
@@ -113,12 +117,14 @@ def unit_min(cfg: SparseKVConfig) -> int:
 
 
 def vecs_per_unit(cfg: SparseKVConfig) -> int:
-    return 1 if cfg.method == "lychee" else 2  # mean key, or key min and max
+    """Summary vectors the unit store keeps per unit: quest's key min and max; none for lychee (its chunk keys
+    come from the KV when needed)."""
+    return 0 if cfg.method == "lychee" else 2
 
 
 def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                     summary_bytes: int = 2) -> int:
-    """Memory the manager needs per KV slot (unit summaries, and lychee's index pools)."""
+    """Memory the manager needs per KV slot (quest's unit summaries, lychee's index pools)."""
     layers = max(0, num_layers - cfg.dense_layers)
     per = layers * num_kv_heads * vecs_per_unit(cfg) * head_dim * summary_bytes / unit_min(cfg)
     if cfg.method == "lychee":
@@ -142,6 +148,7 @@ class SparseKVManager:
         else:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
+        # ``summary_dtype``: quest's page summaries (lychee keeps none)
         self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
                                capacity=num_slots // unit_min(cfg) + 64 if pooled else 1024,
                                dtype=summary_dtype)
@@ -151,15 +158,13 @@ class SparseKVManager:
         if pooled:
             self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
                                     self.device)
-            # the store was sized (and charged to SGLang) for every KV slot's units: cached indexes that keep
-            # freed units alive give them back before the store grows past that plan
-            self.store.reclaim = self.index_cache.evict_lru
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
         self._new_keys: list[int] = []   # units cut at decode this step (their key positions are in the plan)
+        self._rows_of_units = self.store.summary is not None   # prefill and decode cuts pool quest's summaries
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -231,7 +236,7 @@ class SparseKVManager:
             if state is None or state.seq_len != prefix:
                 # a new request (maybe with a radix hit), or a row reused after a free we never saw
                 self._drop(idx)
-                state = self.states[idx] = RequestState()
+                state = self.states[idx] = RequestState(row=idx)
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
             state.seq_len = seq
             self._cut(state, toks, idx, seq, plan, req_to_token)
@@ -243,7 +248,9 @@ class SparseKVManager:
         yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
         device: the key slots of the units cut here come back one step late."""
         self.apply_frees(wait=False)
-        return self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        self._read_new_keys(plan)
+        return plan
 
     def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                     tokens: list) -> PoolPlan:
@@ -251,15 +258,18 @@ class SparseKVManager:
         for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
             state = self.states.get(idx)
             if state is None:  # decode without a prefill we saw (e.g. a retracted request resumed)
-                state = self.states[idx] = RequestState()
+                state = self.states[idx] = RequestState(row=idx)
                 self._adopt_prefix(state, req_to_token[idx, :seq - 1])
                 self.stats["decode_host_syncs"] += 1
             state.seq_len = seq
             self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
+        return plan
+
+    def _read_new_keys(self, plan: PoolPlan) -> None:
+        """The key slots of the units cut at decode come back one step late (the plan gathered them)."""
         if self._new_keys:
             self._ordered.append(("keys", self._new_keys, LateRead(plan.packed(self.device)[3])))
             self._new_keys = []
-        return plan
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         found = self.store.chain(slots, self.chunker.lookahead)
@@ -292,7 +302,7 @@ class SparseKVManager:
                 uid, fresh = self.store.add_unkeyed(a, b), True
                 self._new_keys.append(uid)
                 plan.keys.append((row, a + la - 1))
-            if fresh:
+            if fresh and self._rows_of_units:
                 plan.add(uid, row, a, b)
             state.units.append(uid)
             state.starts.append(a)
@@ -304,20 +314,20 @@ class SparseKVManager:
                               tokens: list, k_buffers) -> list[PoolRanges | None]:
         """Everything a decode step needs before its (graph-captured) layers run; per request its pool ranges.
 
-        k_buffers(l) -> the key buffer of model layer ``l``: new units are summarized here, for every
-        layer at once, because their tokens precede the step's token (their keys are all written).
+        k_buffers(l) -> the key buffer of model layer ``l``: the keys of the chunks grafted here are pooled from
+        it, for every layer at once (their tokens precede the step's token, so their keys are all written).
         """
         t = [time.perf_counter()]
         self.apply_frees(wait=False)
         t.append(time.perf_counter())
         plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
         t.append(time.perf_counter())
-        self.pool_all_layers(k_buffers, plan)
-        t.append(time.perf_counter())
         states = [self.states[idx] for idx in req_pool_indices]
-        self._place(states)   # normally done when the prefill finished; here for requests that just passed the budget
+        # normally done when the prefill finished; here for requests that just passed the budget
+        self._place(states, req_to_token, k_buffers)
         t.append(time.perf_counter())
-        self._graft_pooled([s for s in states if s.pool is not None])
+        self._graft_pooled([s for s in states if s.pool is not None], plan, k_buffers)
+        self._read_new_keys(plan)
         t.append(time.perf_counter())
         for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
             self.stats[key] += b - a
@@ -328,22 +338,35 @@ class SparseKVManager:
                     assert s.pool.M == len(s.units), (s.pool, len(s.units))
         return [s.pool for s in states]
 
-    def finish_extend(self, req_pool_indices: list[int], complete: list[bool]) -> None:
+    def finish_extend(self, req_pool_indices: list[int], complete: list[bool], req_to_token: torch.Tensor,
+                      k_buffers) -> None:
         """After the last layer of a prefill: place the index of every request whose prompt is complete, so
         its first decode step finds it in the pools (a k-means never runs inside a decode step)."""
         if self.pools is not None:
-            self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done])
+            self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done], req_to_token,
+                        k_buffers)
 
-    def pool_all_layers(self, k_buffers, plan: PoolPlan) -> None:
-        """Summaries of the plan's units for every sparse layer (their keys are all written); on the GPU in one
-        launch that reads each layer's key buffer through a table of base addresses."""
+    def chunk_keys(self, plan: PoolPlan, k_buffers) -> torch.Tensor:
+        """[sparse layers, spans, H, 1, d] fp32: the L2-normalized mean key of each of the plan's spans (output
+        rows 0, 1, ...), pooled from the KV for every sparse layer at once."""
+        out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 1, self.pools.head_dim,
+                          dtype=torch.float32, device=self.device)
+        self.pool_all_layers(k_buffers, plan, out)
+        return out
+
+    def pool_all_layers(self, k_buffers, plan: PoolPlan, out: torch.Tensor) -> None:
+        """Pool the plan's spans for every sparse layer into ``out`` [layers, rows, H, vecs, d] (their keys are
+        all written); on the GPU in one launch that reads each layer's key buffer through a table of base
+        addresses."""
         if not plan.spans:
             return
         layers = range(self.cfg.dense_layers, self.num_layers)
         bufs = [k_buffers(l) for l in layers]
         if not bufs or not self.use_kernels:
-            for l, k in zip(layers, bufs):
-                self.pool_layer(l, k, plan)
+            ids, slots, indptr, _ = plan.packed(self.device)
+            for i, k in enumerate(bufs):
+                summary = summarize_units(k, slots, indptr, out.shape[3] == 2)   # [U, H, d] or [U, H, 2, d]
+                out[i, ids] = summary.view(len(ids), *out.shape[2:]).to(out.dtype)
             return
         ptrs = tuple(k.data_ptr() for k in bufs)
         if self._k_ptrs is None or self._k_ptrs[0] != ptrs:
@@ -351,16 +374,15 @@ class SparseKVManager:
                        for k in bufs), "the sparse layers' key buffers differ in layout"
             self._k_ptrs = (ptrs, to_device(torch.tensor(ptrs, dtype=torch.int64), self.device))
         ids, slots, indptr, _ = plan.packed(self.device)
-        pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, self.store.summary,
-                          self.cfg.method == "quest")
+        pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, out, out.shape[3] == 2)
 
-    def _place(self, states: list[RequestState]) -> None:
+    def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:
             if (state.pool is None and self.needs_sparse(state.seq_len) and state.units
                     and state.unplaced_gen != self.pools.generation):
-                self._pool_index(state)
+                self._pool_index(state, req_to_token, k_buffers)
 
-    def _pool_index(self, state: RequestState) -> None:
+    def _pool_index(self, state: RequestState, req_to_token: torch.Tensor, k_buffers) -> None:
         """Bring a request's all-layer index into the pools: adopted from a shared prefix, or built."""
         ix = None
         lengths = self._lengths(state)
@@ -371,7 +393,10 @@ class SparseKVManager:
         else:
             t0 = time.perf_counter()
             Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
-            keys = self.store.summary[:, state.units, :, 0].to(torch.float32)        # [Ls, M, H, d]
+            plan = PoolPlan(req_to_token)
+            for j, (a, b) in enumerate(zip(state.starts, state.ends)):
+                plan.add(j, state.row, a, b)
+            keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0]                       # [Ls, M, H, d]
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
             ix = build_index_grouped(keys, lengths, self.cfg.fine_cluster_size, self.cfg.max_coarse,
                                      self.cfg.kmeans_iters)
@@ -395,8 +420,18 @@ class SparseKVManager:
                            "raise index_pool_scale to avoid it)")
         self.stats["index_pool_full"] += 1
 
-    def _graft_pooled(self, states: list[RequestState]) -> None:
-        """Graft every request's chunks that its pooled index lacks; one launch per round of one chunk each."""
+    def _graft_pooled(self, states: list[RequestState], plan: PoolPlan, k_buffers) -> None:
+        """Graft every request's chunks that its pooled index lacks: their keys pooled in one launch (with the
+        plan's other spans: one upload and gather per step), then one graft launch per round of one chunk each."""
+        first = {}   # request -> (its first chunk to graft, that chunk's row of the pooled keys)
+        for state in states:
+            if state.pool is not None and state.pool.M < len(state.units):
+                first[id(state)] = (state.pool.M, len(plan.spans))
+                for a, b in zip(state.starts[state.pool.M:], state.ends[state.pool.M:]):
+                    plan.add(len(plan.spans), state.row, a, b)
+        if not first:
+            return
+        keys = self.chunk_keys(plan, k_buffers)
         while True:
             jobs = []
             for state in states:
@@ -411,13 +446,13 @@ class SparseKVManager:
                     self.pools.free(state.pool)   # a new generation: the request retries at the next step
                     state.pool = None
                     continue
-                assert 0 <= state.units[i] < self.store.capacity, (state.units[i], self.store.capacity)
-                jobs.append((state.units[i], state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
+                i0, k0 = first[id(state)]
+                jobs.append((k0 + i - i0, state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
                              state.pool.co, row, state.starts[i]))
             if not jobs:
                 return
             cols = to_device(torch.tensor(jobs, dtype=torch.int32).T.contiguous(), self.device)
-            (graft_chunks if self.use_kernels else graft_chunks_ref)(self.pools, self.store.summary, *cols)
+            (graft_chunks if self.use_kernels else graft_chunks_ref)(self.pools, keys, *cols)
             self.stats["grafts"] += len(jobs)
 
     # ------------------------------------------------------------------ per layer
@@ -428,7 +463,7 @@ class SparseKVManager:
         return seq_len > self.cfg.token_budget
 
     def pool_layer(self, layer_id: int, k_buffer: torch.Tensor, plan: PoolPlan) -> None:
-        """Summaries of the plan's new units from this layer's keys (already written to the pool)."""
+        """Quest: summaries of the plan's new units from this layer's keys (already written to the pool)."""
         if not plan.spans or not self.is_sparse_layer(layer_id):
             return
         ids, slots, indptr, _ = plan.packed(self.device)

@@ -1,8 +1,8 @@
-"""UnitStore: summaries of retrieval units (lychee chunks, quest pages), shared through the radix cache.
+"""UnitStore: retrieval units (lychee chunks, quest pages), shared through the radix cache.
 
-A unit is a run of token positions ``[start, end)`` of some token sequence. Its summary (per
-sparse layer and KV head: the L2-normalized mean key for lychee, the key min and max for quest)
-is stored once and *keyed by the KV slot of the last token of its decision window* (position
+A unit is a run of token positions ``[start, end)`` of some token sequence. It is recorded once
+(with, for quest, its summary per sparse layer and KV head: the key min and max; lychee computes a
+chunk's key from the KV when it needs one) and *keyed by the KV slot of the last token of its decision window* (position
 ``start + lookahead - 1``, see ``Chunker.lookahead``). Requests that share a cached prefix share
 those slots, so a new request finds the prefix's units by reading the slots its radix hit gave
 it, without recomputing anything.
@@ -12,7 +12,7 @@ every token the unit's cut depended on is the same (a unit keyed by its own last
 have been cut differently by a request whose later tokens differed). And SGLang frees KV slots
 from the tail of a path (eviction takes leaves; a node split only relabels), so when any slot of
 the unit is freed, the key slot (at or after them) is freed too, which drops the key.
-Summaries are reference counted: the key slot holds one reference and every request whose chain
+Units are reference counted: the key slot holds one reference and every request whose chain
 uses the unit holds one, so a request keeps its units even if a duplicate of its KV is freed
 under it (the radix cache deduplicates on insert).
 """
@@ -33,18 +33,17 @@ class UnitStore:
         self.dtype = dtype
         # bookkeeping lives on the host in numpy (read element by element, and a request's thousands of units
         # are retained and released at once: torch's per-element indexing cost tens of ms per 32K request);
-        # only summaries live on ``device``
+        # only summaries (``vecs_per_unit`` > 0) live on ``device``
         self.slot_unit = np.full(num_slots, -1, dtype=np.int64)
         self.capacity = 0
         self.unit_start = np.empty(0, dtype=np.int64)
         self.unit_end = np.empty(0, dtype=np.int64)
         self.refs = np.empty(0, dtype=np.int32)
-        self.summary = torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
+        self.summary = (torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
+                        if vecs_per_unit else None)
         self._free: list[int] = []
         self.unkeyed = 0   # units cut at decode whose key slot is still on its way back from the device
         self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
-        # () -> bool: frees some unit held elsewhere (a cached index) before the store grows; False when none
-        self.reclaim = None
         self._grow(capacity)
 
     # ------------------------------------------------------------------ storage
@@ -56,15 +55,14 @@ class UnitStore:
         self.unit_start = np.concatenate([self.unit_start, np.zeros(pad, dtype=np.int64)])
         self.unit_end = np.concatenate([self.unit_end, np.zeros(pad, dtype=np.int64)])
         self.refs = np.concatenate([self.refs, np.zeros(pad, dtype=np.int32)])
-        summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=self.device)
-        summary[:, :old] = self.summary
-        self.summary = summary
+        if self.summary is not None:
+            summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=self.device)
+            summary[:, :old] = self.summary
+            self.summary = summary
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 
     def _alloc(self) -> int:
-        while not self._free and self.reclaim is not None and self.reclaim():
-            pass
         if not self._free:
             self._grow(max(1024, 2 * self.capacity))
         return self._free.pop()
@@ -78,14 +76,16 @@ class UnitStore:
         return int((self.slot_unit >= 0).sum())
 
     def nbytes(self) -> int:
-        per_unit = self.summary[:, :1].numel() * self.summary.element_size() + 8 + 8 + 4
+        per_unit = 8 + 8 + 4
+        if self.summary is not None:
+            per_unit += self.summary[:, :1].numel() * self.summary.element_size()
         return self.live_units * per_unit
 
     # ------------------------------------------------------------------ units
     def add_or_reuse(self, start: int, end: int, key_slot: int) -> tuple[int, bool]:
         """The unit ``[start, end)`` keyed by ``key_slot``; one reference for the caller.
 
-        Returns (unit id, True if its summary must still be computed).
+        Returns (unit id, True if it is new: its summary, if the store keeps one, must still be computed).
         """
         uid = int(self.slot_unit[key_slot])
         if uid >= 0 and int(self.unit_start[uid]) == start and int(self.unit_end[uid]) == end:
@@ -170,9 +170,10 @@ class UnitStore:
         self.free_slots(torch.from_numpy(np.flatnonzero(self.slot_unit >= 0)))
 
     def snapshot(self) -> dict[tuple[int, int, int], torch.Tensor]:
-        """{(key slot, start, end): summary} of every keyed unit; for tests that compare with a rebuild."""
+        """{(key slot, start, end): summary or None} of every keyed unit; for tests that compare with a rebuild."""
         out = {}
         for slot in np.flatnonzero(self.slot_unit >= 0).tolist():
             uid = int(self.slot_unit[slot])
-            out[(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))] = self.summary[:, uid].clone()
+            out[(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))] = (
+                None if self.summary is None else self.summary[:, uid].clone())
         return out

@@ -79,7 +79,8 @@ class World:
         req.decoded = 0
         for l in range(LAYERS):
             self.manager.pool_layer(l, self.k[l], plan)
-        self.manager.finish_extend([row], [end == len(req.tokens)])   # lychee places the prompt's index
+        # lychee places the prompt's index
+        self.manager.finish_extend([row], [end == len(req.tokens)], self.req_pool.req_to_token, lambda l: self.k[l])
 
     def forward_decode(self, req):
         row, pos = req.req_pool_idx, len(req.tokens)
@@ -172,8 +173,29 @@ class World:
             return F.normalize(keys.mean(1), dim=-1)[:, :, None]
         return torch.stack([keys.amin(1), keys.amax(1)], dim=2)
 
+    def check_index(self, req):
+        """A placed index records the request's first chunks, and each of them lies within its fine cluster's
+        radius of the stored centroid (and so within its coarse unit's): the chunk keys the build and the grafts
+        pooled from the KV were the request's own, and the upper bounds hold for what selection reads."""
+        m = self.manager
+        st = m.states[req.req_pool_idx]
+        if st.pool is None:
+            return
+        ix, M = m.pools.export(st.pool), st.pool.M
+        k = slice(st.pool.ko, st.pool.ko + M)
+        assert m.pools.kstart[k].tolist() == st.starts[:M]
+        assert m.pools.klen[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        keys = torch.stack([self.expected_summary(row[s:e].long())[:, :, 0] for s, e in zip(st.starts[:M], st.ends)],
+                           2).reshape(ix.fine_mu.shape[0], M, D)   # [sparse layers * H, M, D], layer-major
+        for mu, r, owner in ((ix.fine_mu, ix.fine_r, ix.chunk_fine),
+                             (ix.coarse_mu, ix.coarse_r, ix.fine_parent.gather(1, ix.chunk_fine))):
+            centre = mu.float().gather(1, owner[..., None].expand(-1, -1, D))
+            assert bool(((keys - centre).norm(dim=-1) <= r.gather(1, owner) + 1e-5).all())
+
     def check_live_requests(self):
-        """Each live request's units are its own chain, with summaries of its own tokens."""
+        """Each live request's units are its own chain, with summaries (quest) or an index (lychee) of its own
+        tokens."""
         self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, [])
         store = self.manager.store
         for req in self.live:
@@ -185,8 +207,10 @@ class World:
             for uid, s, e in zip(st.units, st.starts, st.ends):
                 assert (int(store.unit_start[uid]), int(store.unit_end[uid])) == (s, e)
                 assert int(store.refs[uid]) >= 1
-                got = store.summary[:, uid]
-                assert torch.allclose(got, self.expected_summary(row[s:e].long()), atol=1e-5)
+                if store.summary is not None:
+                    got = store.summary[:, uid]
+                    assert torch.allclose(got, self.expected_summary(row[s:e].long()), atol=1e-5)
+            self.check_index(req)
 
     def paths(self):
         out = []
@@ -219,7 +243,7 @@ class World:
         # exactly the rebuild's units: none missing, none stale, same summaries
         assert sorted(snap) == sorted(rebuild)
         for key, summ in rebuild.items():
-            assert torch.allclose(snap[key], summ, atol=1e-5), key
+            assert snap[key] is None or torch.allclose(snap[key], summ, atol=1e-5), key
         # no leaks: with no live request, each stored unit is held by its slot alone
         assert store.live_units == len(snap)
         assert all(int(store.refs[int(store.slot_unit[slot])]) == 1 for slot, _, _ in snap)
