@@ -22,6 +22,9 @@ NONE, SPACE, PHRASE, SENTENCE, STRUCT = 0, 1, 2, 3, 4
 
 _STRUCT_MARKS = ("```", "---", "***", "}", "]", ">")
 _SENTENCE_MARKS = (".", "?", "!", "。", "？", "！", "\n")
+# windows of at most this many tokens (a decode step's) are cut in plain Python, longer ones with numpy
+SHORT = 64
+
 _PHRASE_MARKS = (",", ";", ":", "，", "；", "：", "、", "·")
 
 
@@ -131,6 +134,8 @@ class Chunker:
         if mode == "structure" and table is None:
             raise ValueError("structure-aware chunking needs a tokenizer boundary table")
         self.mode, self.chunk_min, self.chunk_max, self.table = mode, chunk_min, chunk_max, table
+        if table is not None:   # as Python lists, for the short windows of decode steps
+            self._strength, self._lead = table.strength.tolist(), table.leading_space.tolist()
 
     @property
     def lookahead(self) -> int:
@@ -144,4 +149,33 @@ class Chunker:
         n = len(token_ids)
         if self.mode == "fixed":
             return fixed_cuts(n, self.chunk_max, final)
+        if n <= SHORT:
+            return self._structure_cuts_short(token_ids, final)
         return structure_cuts(self.table.cut_strength(token_ids), n, self.chunk_min, self.chunk_max, final)
+
+    def _structure_cuts_short(self, ids, final: bool) -> np.ndarray:
+        """``structure_cuts(table.cut_strength(ids))`` in plain Python, for the few tokens a decode step cuts
+        from (a numpy call costs more than the whole window here)."""
+        st, lead, top_id = self._strength, self._lead, len(self._strength) - 1
+        ids = [min(max(int(t), 0), top_id) for t in ids]
+        n, lo, hi = len(ids), self.chunk_min, self.chunk_max
+        strength = [st[t] for t in ids]
+        for j in range(n - 1):
+            if strength[j] < SPACE and lead[ids[j + 1]]:
+                strength[j] = SPACE
+
+        def best(s: int) -> int:   # the first strongest cut after tokens s+lo-1 .. s+hi-1 (past the end: -1)
+            top, arg = -1, 0
+            for k, j in enumerate(range(s + lo - 1, min(s + hi, n))):
+                if strength[j] > top:
+                    top, arg = strength[j], k
+            return s + lo + arg if top > NONE else s + hi
+
+        ends, s = [], 0
+        while s + hi + 1 <= n:
+            ends.append(best(s))
+            s = ends[-1]
+        if final and s < n:
+            ends.append(min(best(s), n))
+        return np.asarray(ends, dtype=np.int64)
+

@@ -114,3 +114,20 @@ def test_long_input_matches_brute_force(table):
     ids = np.random.default_rng(0).integers(0, len(table.strength), 131072)
     cuts = Chunker("structure", 8, 16, table).cuts(ids)
     assert cuts.tolist() == brute_cuts(table.cut_strength(ids), len(ids), 8, 16)
+
+
+@pytest.mark.parametrize("lo,hi", [(8, 16), (1, 1), (4, 32), (16, 16)])
+@pytest.mark.parametrize("final", [False, True])
+def test_short_windows_cut_like_the_vectorized_path(lo, hi, final):
+    """Decode steps cut windows of up to ``SHORT`` tokens in plain Python: the same cuts as numpy, at every length,
+    with ids past the table's end clipped the same way."""
+    from sgl_sparsekv.chunking import SHORT
+
+    rng = np.random.default_rng(lo * 100 + hi)
+    V = 50
+    table = BoundaryTable(rng.choice(5, size=V, p=[0.6, 0.2, 0.1, 0.06, 0.04]).astype(np.int8), rng.random(V) < 0.3)
+    ch = Chunker("structure", lo, hi, table)
+    for _ in range(300):
+        ids = rng.integers(-3, V + 3, int(rng.integers(0, SHORT + 1)))
+        want = structure_cuts(table.cut_strength(ids), len(ids), lo, hi, final)
+        assert ch.cuts(ids.tolist(), final).tolist() == want.tolist()
