@@ -116,7 +116,7 @@ class SparseKVAttnBackend(AttentionBackend):
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
-            # quest's summaries in the model's dtype on GPU (half the memory); fp32 on CPU, where the twins run
+            # quest's summaries and lychee's chunk keys in bf16 on GPU; fp32 on CPU, where the twins run
             summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.plan = PoolPlan()

@@ -202,11 +202,12 @@ class IndexPools:
                             coarse_mu=j(self.cmu[:, c]).float(), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
                             coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
 
-    def add_chunk(self, rng: PoolRanges) -> int | None:
-        """Reserve the next chunk row of a range (moving it to a bigger range when full); None if full.
-        The graft kernel's launch (kernels/graft.py) writes the row's position and length."""
-        if rng.M == rng.kcap:
-            for size in (2 * rng.kcap, rng.kcap + 64):
+    def add_chunks(self, rng: PoolRanges, n: int) -> int | None:
+        """Reserve the next ``n`` chunk rows of a range (moving it to a bigger range when it lacks room); the
+        first of them, or None if the pool is full. The graft kernel (kernels/graft.py) writes the rows."""
+        need = rng.M + n
+        if need > rng.kcap:
+            for size in (max(2 * rng.kcap, need), max(rng.kcap + 64, need)):
                 new = self.alloc["chunks"].alloc(size)
                 if new is not None:
                     break
@@ -220,8 +221,8 @@ class IndexPools:
             self.alloc["chunks"].free(rng.ko, rng.kcap)
             rng.ko, rng.kcap = new, size
         row = rng.ko + rng.M
-        assert row < rng.ko + rng.kcap <= self.capacity.chunks, (row, rng)
-        rng.M += 1
+        assert need <= rng.kcap and rng.ko + rng.kcap <= self.capacity.chunks, (n, rng)
+        rng.M = need
         return row
 
     def _alloc(self, P: int, L: int, K: int) -> PoolRanges | None:

@@ -78,19 +78,21 @@ class RequestState:
 class PoolPlan:
     """Token spans whose keys this forward pools: (output row, request row, start, end), whose KV slots are
     gathered from ``req_to_token`` on the device; and the (request row, position) of each decode-cut unit's key
-    slot, gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``."""
+    slot, gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``.
+    ``payload``: more integers for the step's kernels, uploaded with them."""
 
     req_to_token: torch.Tensor | None = None
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     keys: list[tuple[int, int]] = field(default_factory=list)
+    payload: list[int] = field(default_factory=list)
     _packed: tuple | None = None
 
     def add(self, uid: int, row: int, start: int, end: int) -> None:
         self.spans.append((uid, row, start, end))
 
     def packed(self, device):
-        """(output rows, token slots, indptr, key slots) for summarize_units / kernels.pool.pool_units: one
-        upload and one gather for the whole step."""
+        """(output rows, token slots, indptr, key slots, payload) for summarize_units / kernels.pool.pool_units
+        and the payload's users: one upload and one gather for the whole step."""
         if self._packed is None:
             uid, row, start, end = np.array(self.spans, dtype=np.int64).reshape(-1, 4).T
             krow, kpos = np.array(self.keys, dtype=np.int64).reshape(-1, 2).T
@@ -98,10 +100,13 @@ class PoolPlan:
             indptr = np.concatenate([[0], np.cumsum(counts)])
             pos = np.arange(indptr[-1]) + np.repeat(start - indptr[:-1], counts)
             n, t = len(uid), len(pos) + len(kpos)
-            flat = to_device(torch.from_numpy(np.concatenate([uid, indptr, np.repeat(row, counts), krow, pos, kpos])),
-                             device)
-            slots = self.req_to_token[flat[2 * n + 1:2 * n + 1 + t], flat[2 * n + 1 + t:]].to(torch.int32)
-            self._packed = (flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32), slots[t - len(kpos):])
+            flat = to_device(torch.from_numpy(np.concatenate(
+                [uid, indptr, np.repeat(row, counts), krow, pos, kpos, np.asarray(self.payload, dtype=np.int64)])),
+                device)
+            rows = slice(2 * n + 1, 2 * n + 1 + t)
+            slots = self.req_to_token[flat[rows], flat[rows.stop:rows.stop + t]].to(torch.int32)
+            self._packed = (flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32), slots[t - len(kpos):],
+                            flat[rows.stop + t:])
         return self._packed
 
 
@@ -136,7 +141,8 @@ class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
                  summary_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None):
-        """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins."""
+        """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins. ``summary_dtype``:
+        quest's page summaries and lychee's chunk keys."""
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
@@ -148,7 +154,7 @@ class SparseKVManager:
         else:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
-        # ``summary_dtype``: quest's page summaries (lychee keeps none)
+        self.key_dtype = summary_dtype
         self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
                                capacity=num_slots // unit_min(cfg) + 64 if pooled else 1024,
                                dtype=summary_dtype)
@@ -347,10 +353,11 @@ class SparseKVManager:
                         k_buffers)
 
     def chunk_keys(self, plan: PoolPlan, k_buffers) -> torch.Tensor:
-        """[sparse layers, spans, H, 1, d] fp32: the L2-normalized mean key of each of the plan's spans (output
-        rows 0, 1, ...), pooled from the KV for every sparse layer at once."""
+        """[sparse layers, spans, H, 1, d]: the L2-normalized mean key of each of the plan's spans (output rows 0,
+        1, ...), pooled from the KV for every sparse layer at once, rounded to ``key_dtype`` (the KV's on the GPU:
+        the kernels and their twins then agree on every bit that clustering and grafting see)."""
         out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 1, self.pools.head_dim,
-                          dtype=torch.float32, device=self.device)
+                          dtype=self.key_dtype, device=self.device)
         self.pool_all_layers(k_buffers, plan, out)
         return out
 
@@ -363,7 +370,7 @@ class SparseKVManager:
         layers = range(self.cfg.dense_layers, self.num_layers)
         bufs = [k_buffers(l) for l in layers]
         if not bufs or not self.use_kernels:
-            ids, slots, indptr, _ = plan.packed(self.device)
+            ids, slots, indptr, _, _ = plan.packed(self.device)
             for i, k in enumerate(bufs):
                 summary = summarize_units(k, slots, indptr, out.shape[3] == 2)   # [U, H, d] or [U, H, 2, d]
                 out[i, ids] = summary.view(len(ids), *out.shape[2:]).to(out.dtype)
@@ -373,7 +380,7 @@ class SparseKVManager:
             assert all(k.shape == bufs[0].shape and k.stride() == bufs[0].stride() and k.dtype == bufs[0].dtype
                        for k in bufs), "the sparse layers' key buffers differ in layout"
             self._k_ptrs = (ptrs, to_device(torch.tensor(ptrs, dtype=torch.int64), self.device))
-        ids, slots, indptr, _ = plan.packed(self.device)
+        ids, slots, indptr, _, _ = plan.packed(self.device)
         pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, out, out.shape[3] == 2)
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
@@ -396,7 +403,7 @@ class SparseKVManager:
             plan = PoolPlan(req_to_token)
             for j, (a, b) in enumerate(zip(state.starts, state.ends)):
                 plan.add(j, state.row, a, b)
-            keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0]                       # [Ls, M, H, d]
+            keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0].float()               # [Ls, M, H, d]
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
             ix = build_index_grouped(keys, lengths, self.cfg.fine_cluster_size, self.cfg.max_coarse,
                                      self.cfg.kmeans_iters)
@@ -421,39 +428,36 @@ class SparseKVManager:
         self.stats["index_pool_full"] += 1
 
     def _graft_pooled(self, states: list[RequestState], plan: PoolPlan, k_buffers) -> None:
-        """Graft every request's chunks that its pooled index lacks: their keys pooled in one launch (with the
-        plan's other spans: one upload and gather per step), then one graft launch per round of one chunk each."""
-        first = {}   # request -> (its first chunk to graft, that chunk's row of the pooled keys)
+        """Graft every request's chunks that its pooled index lacks, in one launch (a request's chunks in order);
+        their keys are pooled in one launch too, and both launches' inputs travel in the plan's one upload."""
+        jobs, lengths, starts = [], [], []
         for state in states:
-            if state.pool is not None and state.pool.M < len(state.units):
-                first[id(state)] = (state.pool.M, len(plan.spans))
-                for a, b in zip(state.starts[state.pool.M:], state.ends[state.pool.M:]):
-                    plan.add(len(plan.spans), state.row, a, b)
-        if not first:
+            rng = state.pool
+            if rng is None or rng.M >= len(state.units):
+                continue
+            i, n = rng.M, len(state.units) - rng.M
+            row = self.pools.add_chunks(rng, n)
+            if row is None:
+                # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
+                self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(rng))
+                self._unplaced(state)
+                self.pools.free(rng)   # a new generation: the request retries at the next step
+                state.pool = None
+                continue
+            jobs.append((len(plan.spans), n, rng.fo, rng.L, rng.co, row))
+            for a, b in zip(state.starts[i:], state.ends[i:]):
+                plan.add(len(plan.spans), state.row, a, b)
+                lengths.append(b - a)
+                starts.append(a)
+        if not jobs:
             return
+        G, J = len(jobs), len(lengths)
+        plan.payload = [v for col in zip(*jobs) for v in col] + lengths + starts
         keys = self.chunk_keys(plan, k_buffers)
-        while True:
-            jobs = []
-            for state in states:
-                if state.pool is None or state.pool.M >= len(state.units):
-                    continue
-                i = state.pool.M
-                row = self.pools.add_chunk(state.pool)
-                if row is None:
-                    # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
-                    self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(state.pool))
-                    self._unplaced(state)
-                    self.pools.free(state.pool)   # a new generation: the request retries at the next step
-                    state.pool = None
-                    continue
-                i0, k0 = first[id(state)]
-                jobs.append((k0 + i - i0, state.ends[i] - state.starts[i], state.pool.fo, state.pool.L,
-                             state.pool.co, row, state.starts[i]))
-            if not jobs:
-                return
-            cols = to_device(torch.tensor(jobs, dtype=torch.int32).T.contiguous(), self.device)
-            (graft_chunks if self.use_kernels else graft_chunks_ref)(self.pools, keys, *cols)
-            self.stats["grafts"] += len(jobs)
+        payload = plan.packed(self.device)[4]
+        (graft_chunks if self.use_kernels else graft_chunks_ref)(
+            self.pools, keys, payload[:6 * G].view(6, G), payload[6 * G:6 * G + J], payload[6 * G + J:])
+        self.stats["grafts"] += J
 
     # ------------------------------------------------------------------ per layer
     def is_sparse_layer(self, layer_id: int) -> bool:
@@ -466,7 +470,7 @@ class SparseKVManager:
         """Quest: summaries of the plan's new units from this layer's keys (already written to the pool)."""
         if not plan.spans or not self.is_sparse_layer(layer_id):
             return
-        ids, slots, indptr, _ = plan.packed(self.device)
+        ids, slots, indptr, _, _ = plan.packed(self.device)
         summarize = pool_units if self.use_kernels else summarize_units
         summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
         l = layer_id - self.cfg.dense_layers
