@@ -28,7 +28,7 @@ def _round_bf16(x):
 @triton.jit
 def _graft_kernel(Keys, Jobs, Length, Start,
                   FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
-                  s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_job,
+                  s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     # int64 from the start: layer * stride can pass 2**31 elements for a large backlog of chunk keys
     g = tl.program_id(0).to(tl.int64)
@@ -37,12 +37,13 @@ def _graft_kernel(Keys, Jobs, Length, Start,
     h = lh % H
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    key0 = tl.load(Jobs + g).to(tl.int64)
-    count = tl.load(Jobs + s_job + g).to(tl.int32)
-    fo = tl.load(Jobs + 2 * s_job + g).to(tl.int64)
-    L = tl.load(Jobs + 3 * s_job + g).to(tl.int32)
-    co = tl.load(Jobs + 4 * s_job + g).to(tl.int64)
-    row0 = tl.load(Jobs + 5 * s_job + g).to(tl.int64)
+    job = Jobs + g * s_jg
+    key0 = tl.load(job).to(tl.int64)
+    count = tl.load(job + s_jf).to(tl.int32)
+    fo = tl.load(job + 2 * s_jf).to(tl.int64)
+    L = tl.load(job + 3 * s_jf).to(tl.int32)
+    co = tl.load(job + 4 * s_jf).to(tl.int64)
+    row0 = tl.load(job + 5 * s_jf).to(tl.int64)
     fbase = layer * s_fl          # [F, H] fields of this layer; mu rows are D wide
     for i in range(count):
         kr = key0 + i
@@ -107,17 +108,17 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
     G = jobs.shape[1]
     if G == 0:
         return
-    assert jobs.stride(1) == 1
     Ls, F, H, D = pools.fmu.shape
     _graft_kernel[(G, Ls * H)](
         keys, jobs, lengths, starts,
         pools.fmu, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.cr, pools.cn, pools.ctok,
         pools.kfine, pools.kstart, pools.klen, keys.stride(0), keys.stride(1), keys.stride(2),
-        pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0),
+        pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0), jobs.stride(1),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
 
 
-def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor) -> None:
+def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.Tensor,
+                     starts: torch.Tensor) -> None:
     """Torch twin of :func:`graft_chunks`: ``index.graft`` on [layers, heads] views of each request's rows."""
     for k0, count, f0, L, c0, row0 in jobs.T.tolist():
         view = pools.view(c0, f0, L)

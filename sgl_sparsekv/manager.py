@@ -368,20 +368,25 @@ class SparseKVManager:
         if not plan.spans:
             return
         layers = range(self.cfg.dense_layers, self.num_layers)
-        bufs = [k_buffers(l) for l in layers]
-        if not bufs or not self.use_kernels:
+        if not layers:
+            return
+        if not self.use_kernels:
             ids, slots, indptr, _, _ = plan.packed(self.device)
-            for i, k in enumerate(bufs):
-                summary = summarize_units(k, slots, indptr, out.shape[3] == 2)   # [U, H, d] or [U, H, 2, d]
+            for i, l in enumerate(layers):
+                summary = summarize_units(k_buffers(l), slots, indptr, out.shape[3] == 2)   # [U, H, d] or [U, H, 2, d]
                 out[i, ids] = summary.view(len(ids), *out.shape[2:]).to(out.dtype)
             return
-        ptrs = tuple(k.data_ptr() for k in bufs)
-        if self._k_ptrs is None or self._k_ptrs[0] != ptrs:
-            assert all(k.shape == bufs[0].shape and k.stride() == bufs[0].stride() and k.dtype == bufs[0].dtype
+        # the KV pool allocates its buffers once: the first and last layers' addresses stand for the table
+        first = k_buffers(layers[0])
+        key = (first.data_ptr(), k_buffers(layers[-1]).data_ptr())
+        if self._k_ptrs is None or self._k_ptrs[0] != key:
+            bufs = [k_buffers(l) for l in layers]
+            assert all(k.shape == first.shape and k.stride() == first.stride() and k.dtype == first.dtype
                        for k in bufs), "the sparse layers' key buffers differ in layout"
-            self._k_ptrs = (ptrs, to_device(torch.tensor(ptrs, dtype=torch.int64), self.device))
+            ptrs = torch.tensor([k.data_ptr() for k in bufs], dtype=torch.int64)
+            self._k_ptrs = (key, to_device(ptrs, self.device))
         ids, slots, indptr, _, _ = plan.packed(self.device)
-        pool_units_layers(self._k_ptrs[1], bufs[0], slots, indptr, ids, out, out.shape[3] == 2)
+        pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, out.shape[3] == 2)
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:
