@@ -14,7 +14,8 @@ instance:
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
 Ratios are lychee over dense, from the same run on the same device. One method per device call fits the
-10-minute limit: ``--resume`` adds this call's methods to the result of an earlier call on the same machine.
+10-minute limit: ``--resume`` adds this call's methods (or more of a method's measurements) to the result of an
+earlier call on the same machine.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def tpot_ms(srv: Server, ctx: int, n: int) -> dict:
 def measure(srv: Server, a, name: str, out: dict, save) -> dict:
     """Fills ``out`` and calls ``save()`` after each measurement, so a call cut by its time limit keeps them."""
     out.update({"greedy_within_budget": greedy(srv, list(range(100, 1000)), 32),
-                "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32), "tpot_bs1": {}})
+                "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32)})
+    out.setdefault("tpot_bs1", {})   # a resumed method keeps what its earlier call measured
     for ctx in a.contexts:
         out["tpot_bs1"][str(ctx)] = tpot_ms(srv, ctx, a.output_len)   # str: the keys JSON gives back
         print(name, ctx, out["tpot_bs1"][str(ctx)], flush=True)
@@ -152,7 +154,8 @@ def main():
         assert prior["device"] == res["device"] and prior["server_args"] == res["server_args"], "not the same setup"
         methods = prior["settings"]["methods"] + [m for m in a.methods if m not in prior["settings"]["methods"]]
         res = {**prior, **{k: res[k] for k in ("device", "sglang", "model", "server_args")}}
-        res["settings"] = {**res["settings"], "methods": methods}
+        calls = res["settings"].get("calls", []) + [{k: getattr(a, k) for k in ("methods", "contexts", "workloads")}]
+        res["settings"] = {**res["settings"], "methods": methods, "calls": calls}
     for name in a.methods:
         method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
         def save():
