@@ -25,7 +25,8 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# strides that follow the step's job and chunk counts: specializing on them would compile again mid-serving
+@triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"])
 def _graft_kernel(Keys, Jobs, Length, Start,
                   FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,
