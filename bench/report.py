@@ -99,15 +99,21 @@ def serving_table(path: Path) -> str:
             lines.append(f"| {ctx} tokens | {v['tpot_ms']:.2f} | {x:.2f} | {x / v['tpot_ms']:.2f} | {vs4k} |")
         lines.append("")
     lines += ["| workload | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
-              "mean TTFT s dense / lychee | lychee host ms per decode step | errors |", "|---|---|---|---|---|---|---|"]
+              "mean TTFT s dense / lychee | lychee host ms per decode step | lychee dense-fallback steps | errors |",
+              "|---|---|---|---|---|---|---|---|"]
     for key, label in WORKLOADS:
-        if key not in d or key not in s:
+        if key not in s:
             continue
-        x, y = d[key], s[key]
-        lines.append(f"| {label} | {x['output_throughput']:.0f} / {y['output_throughput']:.0f} | "
-                     f"{y['output_throughput'] / x['output_throughput']:.2f}x | {x['median_itl_ms']:.1f} / "
-                     f"{y['median_itl_ms']:.1f} | {x['mean_ttft_ms'] / 1000:.2f} / {y['mean_ttft_ms'] / 1000:.2f} | "
-                     f"{y.get('host_ms_per_decode_step', 'n/a')} | {x['errors']} / {y['errors']} |")
+        y = s[key]
+        x = d.get(key, {})   # a dense run cut by the call's time limit reads n/a
+
+        def pair(k, f=1, fmt=".0f"):
+            return " / ".join("n/a" if r.get(k) is None else format(r[k] / f, fmt) for r in (x, y))
+
+        ratio = f"{y['output_throughput'] / x['output_throughput']:.2f}x" if x else "n/a"
+        lines.append(f"| {label} | {pair('output_throughput')} | {ratio} | {pair('median_itl_ms', fmt='.1f')} | "
+                     f"{pair('mean_ttft_ms', 1000, '.2f')} | {y.get('host_ms_per_decode_step', 'n/a')} | "
+                     f"{y.get('plugin', {}).get('dense_fallback_steps', 'n/a')} | {pair('errors')} |")
     if "greedy_equal_within_budget" in r:
         lines += ["", f"Greedy tokens equal dense within the budget: {r['greedy_equal_within_budget']}; past the "
                       f"budget (4K prompt): {r['greedy_past_budget_same_tokens']} tokens the same."]
@@ -166,9 +172,16 @@ def build_table(path: Path) -> str:
 
 def host_table(path: Path) -> str:
     r = json.loads(path.read_text())
-    return (f"Host time of a decode step's preparation, {r['device']}, batch {r['batch']} at {r['context']} tokens, "
-            f"commit {r['commit']}: {r['host_ms_per_step']} ms per step, {r['decode_host_syncs']} device syncs "
-            f"(`{path.relative_to(RESULTS.parent.parent)}`)")
+    line = (f"Host time of a decode step's preparation, {r['device']}, batch {r['batch']} at {r['context']} tokens, "
+            f"commit {r['commit']}: {r['host_ms_per_step']} ms per step, {r['decode_host_syncs']} device syncs")
+    if "phase_ms_per_step" in r:
+        line += "; by phase (ms): " + ", ".join(f"{k.removeprefix('prepare_').removesuffix('_s')} {v}"
+                                                for k, v in r["phase_ms_per_step"].items() if k != "decode_prepare_s")
+    if "same_call_before" in r:
+        b = r["same_call_before"]
+        line += (f"; in the same call, {' and '.join(map(str, r['runs_ms_per_step']))} ms against "
+                 f"{' and '.join(map(str, b['host_ms_per_step']))} at {b['commit']}")
+    return line + f" (`{path.relative_to(RESULTS.parent.parent)}`)"
 
 
 def load_table(path: Path) -> str:
@@ -224,7 +237,7 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
-                     ("gpu_serving_h100_flashinfer_recheck.json", serving_table), ("gpu_serving_h100.json", serving_table),
+                     ("gpu_serving_h100.json", serving_table),
                      ("index_build_h100.json", build_table), ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
                      ("host_prepare_h100.json", host_table),
