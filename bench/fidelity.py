@@ -2,17 +2,24 @@
 
     python -m bench.fidelity --quick                      # a few samples, one budget (CI)
     python -m bench.fidelity --model smollm2 --out bench/results/fidelity_smollm2.json --plot bench/results/fidelity_smollm2.png
+    python3 -m bench.fidelity --device gpu --model qwen2.5-coder-0.5b --model-dir /tmp/qwen --lengths 16000 \
+        --samples 50 --concurrency 16 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation).
-Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings.
+Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
+cell records its sample count and a 95% Wilson interval. On the GPU the server runs with CUDA graphs on
+(``--attention-backend``, Triton by default) and ``--concurrency`` samples in flight, so SGLang batches them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from bench.server import Server
 from bench.tasks import RULER, STRUCTURED, TASKS, make
@@ -20,31 +27,57 @@ from bench.tasks import RULER, STRUCTURED, TASKS, make
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
+CPU_SERVER = ["--max-total-tokens", "65536"]
+GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
+              "--cuda-graph-max-bs", "32"]
 
 
-def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None) -> dict:
-    """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished."""
+def wilson(correct: int, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson score interval of a success rate (well behaved at 0 and n, unlike the normal approximation)."""
+    if n == 0:
+        return [0.0, 1.0]
+    p = correct / n
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
+
+
+def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
+        gpu_backend: str | None = None, concurrency: int = 1) -> dict:
+    """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished.
+    ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     data = {t: {n: [make(t, tok, n, s) for s in range(samples)] for n in lengths} for t in tasks}
-    res = {"model": model, "device": f"CPU ({platform.machine()})", "lengths": lengths, "samples": samples,
-           "budgets": budgets, "tasks": list(tasks), "runs": []}
+    if gpu_backend:
+        import torch
+
+        device, server = torch.cuda.get_device_name(), GPU_SERVER + ["--attention-backend", gpu_backend]
+    else:
+        device, server = f"CPU ({platform.machine()})", CPU_SERVER
+    server = server + ["--context-length", str(CONTEXT.get(model, 8192))]
+    res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "budgets": budgets,
+           "tasks": list(tasks), "server_args": server, "runs": []}
     for name in methods:
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
             cfg = None if method == "off" else {"token_budget": budget, **extra}
             t0 = time.time()
-            with Server(model_dir, method, cfg, extra=["--max-total-tokens", "65536",
-                                                       "--context-length", str(CONTEXT.get(model, 8192))]) as srv:
-                scores = {}
+            with Server(model_dir, method, cfg, extra=server, cpu=not gpu_backend) as srv, \
+                    ThreadPoolExecutor(concurrency) as pool:
+                scores, counts = {}, {}
                 for t in tasks:
                     for n in lengths:
-                        done = [s.score(srv.complete(s.prompt, max_tokens)["choices"][0]["text"]) for s in data[t][n]]
-                        scores[f"{t}@{n}"] = sum(done) / len(done)
+                        texts = pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"],
+                                         data[t][n])
+                        done = [s.score(text) for s, text in zip(data[t][n], texts)]
+                        k = sum(done)
+                        scores[f"{t}@{n}"] = k / len(done)
+                        counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done))}
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
-            run_ = {"method": name, "budget": budget, "scores": scores, "kv_read": round(kv, 4),
+            run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
                     "seconds": round(time.time() - t0, 1)}
             for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
                 vals = [v for k, v in scores.items() if k.split("@")[0] in names]
@@ -95,6 +128,10 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 2K tokens, 3 tasks")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
+                    "lychee wraps")
+    ap.add_argument("--concurrency", type=int, default=1, help="samples in flight at once (batched by SGLang)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
@@ -104,14 +141,16 @@ def main():
     from sgl_sparsekv.models import prepare
 
     model_dir = a.model_dir or f"models/{a.model}"
-    prepare(a.model, model_dir)
+    if not (a.model_dir and os.path.exists(os.path.join(model_dir, "config.json"))):   # a ready HF dir is used as is
+        prepare(a.model, model_dir)
 
     def save(res):
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
 
-    res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save)
+    res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
+              gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency)
     if a.plot:
         plot(res, a.plot)
 

@@ -24,7 +24,19 @@ def test_quick_mode(tmp_path, smollm2_dir):
     for r in runs.values():
         assert set(r["scores"]) == {"passkey@2000", "niah_multikey@2000", "json_value@2000"}
         assert all(0.0 <= v <= 1.0 for v in r["scores"].values())
+        for cell, c in r["counts"].items():   # every cell carries its sample count and interval
+            assert c["n"] == 2 and c["correct"] / c["n"] == r["scores"][cell]
+            assert c["ci95"][0] <= r["scores"][cell] <= c["ci95"][1]
     # what the runner measures, not what a 135M model answers (accuracy claims live in the committed results)
     assert runs["off"]["kv_read"] == 1.0
     for name in ("lychee", "quest", "lychee-fixed"):
         assert runs[name]["kv_read"] < 0.5, name   # decode really was sparse
+
+
+@pytest.mark.parametrize("correct,n,lo,hi", [(5, 10, 0.2366, 0.7634), (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0),
+                                              (45, 50, 0.7864, 0.9565)])
+def test_wilson_interval(correct, n, lo, hi):
+    from bench.fidelity import wilson
+
+    got = wilson(correct, n)
+    assert got == pytest.approx([lo, hi], abs=1e-4)
