@@ -25,8 +25,10 @@ def _round_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-# strides that follow the step's job and chunk counts: specializing on them would compile again mid-serving
-@triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"])
+# strides that follow the step's job and chunk counts, and the 16-byte alignment of the job table, lengths and
+# starts (slices of the step's one upload at offsets that follow its counts): specializing on either would
+# compile new variants mid-serving
+@triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"], do_not_specialize_on_alignment=["Jobs", "Length", "Start"])
 def _graft_kernel(Keys, Jobs, Length, Start,
                   FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,

@@ -170,7 +170,6 @@ class SparseKVManager:
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
         self._new_keys: list[int] = []   # units cut at decode this step (their key positions are in the plan)
-        self._rows_of_units = self.store.summary is not None   # prefill and decode cuts pool quest's summaries
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -308,7 +307,7 @@ class SparseKVManager:
                 uid, fresh = self.store.add_unkeyed(a, b), True
                 self._new_keys.append(uid)
                 plan.keys.append((row, a + la - 1))
-            if fresh and self._rows_of_units:
+            if fresh and self.store.summary is not None:   # quest pools its units' summaries
                 plan.add(uid, row, a, b)
             state.units.append(uid)
             state.starts.append(a)
@@ -358,25 +357,16 @@ class SparseKVManager:
         the kernels and their twins then agree on every bit that clustering and grafting see)."""
         out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 1, self.pools.head_dim,
                           dtype=self.key_dtype, device=self.device)
-        self.pool_all_layers(k_buffers, plan, out)
-        return out
-
-    def pool_all_layers(self, k_buffers, plan: PoolPlan, out: torch.Tensor) -> None:
-        """Pool the plan's spans for every sparse layer into ``out`` [layers, rows, H, vecs, d] (their keys are
-        all written); on the GPU in one launch that reads each layer's key buffer through a table of base
-        addresses."""
-        if not plan.spans:
-            return
         layers = range(self.cfg.dense_layers, self.num_layers)
-        if not layers:
-            return
+        if not plan.spans or not layers:
+            return out
         if not self.use_kernels:
             ids, slots, indptr, _, _ = plan.packed(self.device)
             for i, l in enumerate(layers):
-                summary = summarize_units(k_buffers(l), slots, indptr, out.shape[3] == 2)   # [U, H, d] or [U, H, 2, d]
-                out[i, ids] = summary.view(len(ids), *out.shape[2:]).to(out.dtype)
-            return
-        # the KV pool allocates its buffers once: the first and last layers' addresses stand for the table
+                out[i, ids] = summarize_units(k_buffers(l), slots, indptr, False).unsqueeze(2).to(out.dtype)
+            return out
+        # one launch reads every sparse layer's key buffer through a table of base addresses; the KV pool
+        # allocates its buffers once, so the first and last layers' addresses stand for the table
         first = k_buffers(layers[0])
         key = (first.data_ptr(), k_buffers(layers[-1]).data_ptr())
         if self._k_ptrs is None or self._k_ptrs[0] != key:
@@ -386,7 +376,8 @@ class SparseKVManager:
             ptrs = torch.tensor([k.data_ptr() for k in bufs], dtype=torch.int64)
             self._k_ptrs = (key, to_device(ptrs, self.device))
         ids, slots, indptr, _, _ = plan.packed(self.device)
-        pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, out.shape[3] == 2)
+        pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, False)
+        return out
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:

@@ -399,3 +399,36 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
     m.request_freed(rows[1 - dense_i])         # the placed request finishes: its rows go back
     step([dense_i])
     assert m.states[rows[dense_i]].pool is not None and int(dec.direct[0]) == 0
+
+
+@pytest.mark.gpu
+def test_graft_compiles_once_across_step_shapes():
+    """In serving the job table, lengths and starts are slices of the step's one int64 upload, at offsets that
+    follow the step's request and chunk counts. Each new 16-byte alignment or count-derived stride used to
+    compile a new graft kernel mid-serving (seconds of stall): steps of any shape must share one variant."""
+    from sgl_sparsekv.kernels.graft import _graft_kernel
+    dev, Ls, d = "cuda", 2, 64
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pools = IndexPools(PoolCapacity(coarse=256, fine=512, chunks=2048), Ls, H, d, dev)
+    ranges = []
+    for _ in range(3):
+        keys = torch.nn.functional.normalize(torch.randn(Ls * H, 24, d, device=dev, generator=gen), dim=-1)
+        lengths = torch.full((24,), 12, device=dev)
+        ranges.append(pools.load(build_index(keys, lengths, 2.0, 64, 5), torch.cumsum(lengths, 0) - lengths,
+                                 lengths, room=64))
+    variants = None
+    for step, (G, J, pad) in enumerate([(1, 1, 0), (2, 3, 1), (3, 5, 3), (1, 2, 2), (3, 3, 5)]):
+        per = [J // G + (i < J % G) for i in range(G)]
+        jobs, k0 = [], 0
+        for rng, n in zip(ranges, per):
+            jobs.append([k0, n, rng.fo, rng.L, rng.co, pools.add_chunks(rng, n)])
+            k0 += n
+        flat = [7] * pad + [v for col in zip(*jobs) for v in col] + [12] * J + list(range(J))
+        payload = torch.tensor(flat, device=dev)[pad:]
+        keys = torch.nn.functional.normalize(torch.randn(Ls, J, H, 1, d, device=dev, generator=gen), dim=-1)
+        graft_chunks(pools, keys.to(torch.bfloat16), payload[:6 * G].view(6, G), payload[6 * G:6 * G + J],
+                     payload[6 * G + J:])
+        n = len(_graft_kernel.device_caches[torch.cuda.current_device()][0])
+        variants = n if variants is None else variants
+        assert n == variants, f"step {step} (G={G}, J={J}, offset {pad}) compiled a new graft variant"
+    torch.cuda.synchronize()
