@@ -63,8 +63,10 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
             cfg = None if method == "off" else {"token_budget": budget, **extra}
+            # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
+            args = server + (["--disable-cuda-graph"] if gpu_backend and method == "quest" else [])
             t0 = time.time()
-            with Server(model_dir, method, cfg, extra=server, cpu=not gpu_backend) as srv, \
+            with Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv, \
                     ThreadPoolExecutor(concurrency) as pool:
                 scores, counts = {}, {}
                 for t in tasks:
@@ -74,7 +76,9 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                         done = [s.score(text) for s, text in zip(data[t][n], texts)]
                         k = sum(done)
                         scores[f"{t}@{n}"] = k / len(done)
-                        counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done))}
+                        # the failed seeds let two methods be compared sample by sample
+                        counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
+                                              "failed": [i for i, ok in enumerate(done) if not ok]}
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),

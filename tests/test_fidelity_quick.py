@@ -27,6 +27,7 @@ def test_quick_mode(tmp_path, smollm2_dir):
         for cell, c in r["counts"].items():   # every cell carries its sample count and interval
             assert c["n"] == 2 and c["correct"] / c["n"] == r["scores"][cell]
             assert c["ci95"][0] <= r["scores"][cell] <= c["ci95"][1]
+            assert len(c["failed"]) == c["n"] - c["correct"] and set(c["failed"]) <= {0, 1}
     # what the runner measures, not what a 135M model answers (accuracy claims live in the committed results)
     assert runs["off"]["kv_read"] == 1.0
     for name in ("lychee", "quest", "lychee-fixed"):
