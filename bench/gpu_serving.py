@@ -35,7 +35,7 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--mem-fraction-static", "0.8", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
-DELTAS = ("index_builds", "index_reused", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
+DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
 

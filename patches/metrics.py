@@ -17,6 +17,7 @@ COUNTERS = {
     "dense_steps": ("dense_steps", "Decode steps with every request within the token budget."),
     "index_builds": ("index_builds", "Cluster indexes built."),
     "index_reused": ("index_reused", "Cluster indexes adopted from a cached prefix."),
+    "index_extends": ("index_extends", "Adopted indexes extended by clustering the prompt past the shared prefix."),
     "grafts": ("grafts", "Decoded chunks grafted into an index."),
     "units_built": ("units_built", "Retrieval units (chunks, pages) summarized."),
     "units_reused": ("units_reused", "Retrieval units reused through the radix cache."),

@@ -103,27 +103,35 @@ def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -
     return L, P
 
 
-def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
-                max_coarse: int, iters: int) -> ClusterIndex:
-    """keys: [H, M, d] unit chunk keys; chunk_len: [M] tokens per chunk."""
+def _group_by_parent(fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine):
+    """Fine clusters reordered by coarse unit (stable), and chunk_fine renumbered to match: a step's live clusters
+    (its expanded units' children) are then contiguous runs, and the fine-bounds kernel skips every block of rows
+    without one."""
+    order = torch.sort(fine_parent, dim=-1, stable=True).indices
+    fine_mu = fine_mu.gather(1, order[..., None].expand(-1, -1, fine_mu.shape[-1]))
+    fine_r, fine_n, fine_tokens, fine_parent = (t.gather(1, order) for t in (fine_r, fine_n, fine_tokens, fine_parent))
+    return fine_mu, fine_r, fine_n, fine_tokens, fine_parent, torch.argsort(order, dim=-1).gather(1, chunk_fine)
+
+
+def _fine_level(keys: torch.Tensor, chunk_len: torch.Tensor, L: int, iters: int):
+    """Chunks -> L fine clusters: (mu, r, chunk count, tokens) per cluster and each chunk's cluster."""
     H, M, d = keys.shape
-    L, P = cluster_counts(M, fine_cluster_size, max_coarse)
     fine_mu, chunk_fine = spherical_kmeans(keys, L, iters)
     fine_mu = stored(fine_mu)
     dist = (keys - fine_mu.gather(1, chunk_fine[..., None].expand(-1, -1, d))).norm(dim=-1)
-    fine_r = scatter_max(dist, chunk_fine, L)
-    ones = torch.ones_like(dist)
-    fine_n = scatter_sum(ones, chunk_fine, L)
-    fine_tokens = scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L)
+    L = fine_mu.shape[1]
+    return (fine_mu, scatter_max(dist, chunk_fine, L), scatter_sum(torch.ones_like(dist), chunk_fine, L),
+            scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L), chunk_fine)
 
+
+def _coarse_level(fine_mu, fine_r, fine_n, fine_tokens, chunk_fine, P: int, iters: int) -> ClusterIndex:
+    """Fine clusters -> P coarse units; the whole index, fine clusters grouped by coarse unit."""
+    d = fine_mu.shape[-1]
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
     coarse_mu = stored(coarse_mu)
-    # store fine clusters grouped by coarse unit: a step's live clusters (its expanded units' children) are then
-    # contiguous runs, and the fine-bounds kernel skips every block of rows without one
-    order = torch.sort(fine_parent, dim=-1, stable=True).indices
-    fine_mu = fine_mu.gather(1, order[..., None].expand(-1, -1, d))
-    fine_r, fine_n, fine_tokens, fine_parent = (t.gather(1, order) for t in (fine_r, fine_n, fine_tokens, fine_parent))
-    chunk_fine = torch.argsort(order, dim=-1).gather(1, chunk_fine)
+    P = coarse_mu.shape[1]
+    fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine = _group_by_parent(
+        fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine)
     reach = (fine_mu - coarse_mu.gather(1, fine_parent[..., None].expand(-1, -1, d))).norm(dim=-1) + fine_r
     coarse_r = scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
     coarse_n = scatter_sum(fine_n, fine_parent, P)
@@ -132,20 +140,62 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
                         coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine)
 
 
-def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float, max_coarse: int,
-                        iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
-    """``build_index`` over many heads (e.g. every layer's), a group of heads at a time so the
-    temporaries stay under ``max_bytes`` (on the CPU the chunk-to-centroid similarity matrix; on the GPU,
-    which never forms it, a few copies of the keys). Same result as one call."""
-    H, M, d = keys.shape
-    L, _ = cluster_counts(M, fine_cluster_size, max_coarse)
-    per_head = 4 * M * (4 * d if keys.is_cuda else L)
+def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
+                max_coarse: int, iters: int) -> ClusterIndex:
+    """keys: [H, M, d] unit chunk keys; chunk_len: [M] tokens per chunk."""
+    L, P = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
+    return _coarse_level(*_fine_level(keys, chunk_len, L, iters), P, iters)
+
+
+def extend_index(index: ClusterIndex, keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
+                 max_coarse: int, iters: int) -> ClusterIndex:
+    """The index over its chunks followed by new ones (``keys`` [H, M2, d], ``chunk_len`` [M2]), such as the part
+    of a prompt past an adopted prefix. The new chunks get fine clusters of their own, as a build would make:
+    grafted one by one into the prefix's clusters, thousands of prompt chunks inflate their radii until the
+    bounds no longer tell clusters apart, and a needle among them is lost. The coarse level is clustered again
+    over all fine clusters (cheap: a few per coarse unit), so its radii stay as tight as a build's."""
+    M2 = keys.shape[1]
+    L2, _ = cluster_counts(M2, fine_cluster_size, max_coarse)
+    fine = _fine_level(keys, chunk_len, L2, iters)
+    L1 = index.fine_mu.shape[1]
+    old = (index.fine_mu.float(), index.fine_r, index.fine_n, index.fine_tokens, index.chunk_fine)
+    both = [torch.cat([o.to(n.dtype), n + L1 if i == 4 else n], 1) for i, (o, n) in enumerate(zip(old, fine))]
+    L = L1 + fine[0].shape[1]
+    return _coarse_level(*both, max(1, min(max_coarse, L, math.ceil(math.sqrt(L)))), iters)
+
+
+def _in_head_groups(build, H: int, per_head: int, max_bytes: int) -> ClusterIndex:
+    """``build(heads)`` over slices of the heads small enough that its temporaries stay under ``max_bytes``,
+    concatenated (each head clusters on its own, so this is one call's result)."""
     group = max(1, min(H, max_bytes // max(1, per_head)))
-    parts = [build_index(keys[h:h + group], chunk_len, fine_cluster_size, max_coarse, iters)
-             for h in range(0, H, group)]
+    parts = [build(slice(h, h + group)) for h in range(0, H, group)]
     if len(parts) == 1:
         return parts[0]
     return ClusterIndex(**{k: torch.cat([vars(p)[k] for p in parts]) for k in vars(parts[0])})
+
+
+def _bytes_per_head(keys: torch.Tensor, L: int) -> int:
+    """On the CPU the chunk-to-centroid similarity matrix; on the GPU, which never forms it, a few copies of the
+    keys."""
+    return 4 * keys.shape[1] * (4 * keys.shape[2] if keys.is_cuda else L)
+
+
+def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float, max_coarse: int,
+                        iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
+    """``build_index`` over many heads (e.g. every layer's), a group of heads at a time."""
+    L, _ = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
+    return _in_head_groups(lambda h: build_index(keys[h], chunk_len, fine_cluster_size, max_coarse, iters),
+                           keys.shape[0], _bytes_per_head(keys, L), max_bytes)
+
+
+def extend_index_grouped(index: ClusterIndex, keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
+                         max_coarse: int, iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
+    """``extend_index`` over many heads, a group of heads at a time."""
+    L, _ = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
+    return _in_head_groups(
+        lambda h: extend_index(ClusterIndex(**{k: v[h] for k, v in vars(index).items()}), keys[h], chunk_len,
+                               fine_cluster_size, max_coarse, iters),
+        keys.shape[0], _bytes_per_head(keys, L), max_bytes)
 
 
 def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:

@@ -5,7 +5,8 @@ An entry is a unit chain from position 0 (unit ids) and the index of every spars
 those units (one ``ClusterIndex`` whose heads are layer-major, as the index pools load it). It holds one reference on each of its units, so no id it names can be recycled
 while it lives. A request adopts the entry sharing the longest chain prefix with its own chain,
 if that prefix covers enough of it: it clones the entry's indexes (grafts mutate them), drops the
-entry's units past the shared prefix, and grafts its own remaining units. Least recently used
+entry's units past the shared prefix, and clusters its own remaining units onto them
+(``index.extend_index``). Least recently used
 entries beyond ``max_entries`` go, releasing their units.
 """
 

@@ -44,7 +44,7 @@ import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import build_index_grouped
+from sgl_sparsekv.index import build_index_grouped, extend_index_grouped
 from sgl_sparsekv.index_cache import IndexCache
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
@@ -173,7 +173,7 @@ class SparseKVManager:
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
-        self.stats = {"index_builds": 0, "index_reused": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
+        self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0, "dense_steps": 0,
                       "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0, "dense_fallback_steps": 0,
                       "decode_prepare_s": 0.0, "index_build_s": 0.0, "decode_host_syncs": 0,
                       **{k: 0.0 for k in PREPARE_PHASES}}
@@ -386,26 +386,32 @@ class SparseKVManager:
                 self._pool_index(state, req_to_token, k_buffers)
 
     def _pool_index(self, state: RequestState, req_to_token: torch.Tensor, k_buffers) -> None:
-        """Bring a request's all-layer index into the pools: adopted from a shared prefix, or built."""
-        ix = None
+        """Bring a request's all-layer index into the pools: adopted from a shared prefix (the chunks past it
+        clustered onto it), or built."""
+        ix, shared = None, 0
         lengths = self._lengths(state)
         found = self.index_cache.find(state.units)
         if found is not None:
-            ix = self.index_cache.adopt(*found)
+            ix, shared = self.index_cache.adopt(*found), found[1]
             self.stats["index_reused"] += 1
-        else:
+        if shared < len(state.units):
             t0 = time.perf_counter()
             Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
             plan = PoolPlan(req_to_token)
-            for j, (a, b) in enumerate(zip(state.starts, state.ends)):
+            for j, (a, b) in enumerate(zip(state.starts[shared:], state.ends[shared:])):
                 plan.add(j, state.row, a, b)
             keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0].float()               # [Ls, M, H, d]
-            keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units), d)
-            ix = build_index_grouped(keys, lengths, self.cfg.fine_cluster_size, self.cfg.max_coarse,
-                                     self.cfg.kmeans_iters)
-            self.stats["index_builds"] += 1
+            keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
+            c = self.cfg
+            if ix is None:
+                ix = build_index_grouped(keys, lengths, c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
+                self.stats["index_builds"] += 1
+                self.index_cache.add(state.units, lengths, ix)
+            else:
+                ix = extend_index_grouped(ix, keys, lengths[shared:], c.fine_cluster_size, c.max_coarse,
+                                          c.kmeans_iters)
+                self.stats["index_extends"] += 1
             self.stats["index_build_s"] += time.perf_counter() - t0
-            self.index_cache.add(state.units, lengths, ix)
         n = ix.num_chunks
         starts = to_device(torch.tensor(state.starts[:n], dtype=torch.int32), self.device)
         state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))

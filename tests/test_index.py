@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index, build_index_grouped, cluster_counts, graft_chunk, upper_bound
+from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, graft_chunk,
+                                upper_bound)
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
 
@@ -196,3 +197,42 @@ def test_grouped_build_equals_one_build():
     grouped = build_index_grouped(keys, lens, 2.0, 64, 5, max_bytes=50 * 25 * 4 * 2)   # two heads a group
     for name, t in vars(one).items():
         assert torch.allclose(getattr(grouped, name), t, atol=1e-6), name
+
+
+@pytest.mark.parametrize("seed,max_coarse", [(0, 64), (1, 64), (2, 15), (3, 15)])
+def test_extend_index_clusters_new_chunks_with_valid_bounds(seed, max_coarse):
+    """An adopted prefix's index extended by the prompt past it, whose topics are new: every chunk is counted
+    once, every bound holds, fine clusters stay grouped by coarse unit, the prefix's chunks keep their clusters,
+    and a needle in the new part is found at a small budget. (Grafting these chunks one by one instead loses the
+    needle for every seed here: they inflate the prefix clusters' radii.) With max_coarse 15 the prefix alone
+    fills the coarse level, so the new fine clusters share coarse units with old ones."""
+    from sgl_sparsekv.index import extend_index, extend_index_grouped
+
+    gen = torch.Generator().manual_seed(seed)
+    H, M1, M2, d, G = 2, 400, 120, 64, 3
+    keys = torch.cat([_keys("clustered", H, M1, d, gen), _keys("clustered", H, M2, d, gen)], 1)
+    q = torch.randn(H, G, d, generator=gen)
+    needle = M1 + 70
+    keys[:, needle] = F.normalize(q.mean(1) + 0.05 * torch.randn(H, d, generator=gen), dim=-1)
+    lens = torch.randint(8, 17, (M1 + M2,), generator=gen)
+    prefix = build_index(keys[:, :M1], lens[:M1], 2.0, max_coarse, 10).compact()   # as the cache keeps it
+    assert (prefix.coarse_mu.shape[1] == max_coarse) == (max_coarse == 15)
+    ix = extend_index(prefix, keys[:, M1:], lens[M1:], 2.0, max_coarse, 10)
+    grouped = extend_index_grouped(prefix, keys[:, M1:], lens[M1:], 2.0, max_coarse, 10,
+                                   max_bytes=4 * M2 * cluster_counts(M2, 2.0, 64)[0])   # a head a group
+    for name, t in vars(ix).items():
+        assert torch.equal(getattr(grouped, name), t), name
+    assert ix.num_chunks == M1 + M2 and ix.coarse_mu.shape[1] <= max_coarse
+    assert torch.equal(ix.fine_n.sum(1), torch.full((H,), float(M1 + M2)))
+    assert torch.equal(ix.fine_tokens.sum(1), lens.sum().float().expand(H))
+    assert torch.equal(ix.coarse_n.sum(1), ix.fine_n.sum(1))
+    assert bool((ix.fine_parent.diff(dim=1) >= 0).all())   # grouped by coarse unit
+    for h in range(H):
+        assert torch.equal(torch.bincount(ix.chunk_fine[h], minlength=ix.fine_n.shape[1]).float(), ix.fine_n[h])
+        # the prefix's chunks keep their clusters (renumbered): two chunks share one there iff they did before
+        old, new = prefix.chunk_fine[h], ix.chunk_fine[h, :M1]
+        assert torch.equal(old[:, None] == old[None, :], new[:, None] == new[None, :])
+        assert not set(new.tolist()) & set(ix.chunk_fine[h, M1:].tolist())
+    for _ in range(5):
+        _check_bounds(ix, keys, torch.randn(H, G, d, generator=gen) * 3)
+    assert bool(select_chunks(ix, q * 4, 256, 4.0, "max")[:, needle].all())

@@ -283,7 +283,8 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     tail_c = set(sc.units[len(sc.units) - 3:])
     assert not (tail_b & set(sc.units)) and not (tail_c & set(sb.units))  # ... decode chunks are not
     w.check_live_requests()
-    # the sharers adopted the first one's index of the document instead of clustering again, each into
-    # rows of its own (grafts write them)
+    # the sharers adopted the first one's index of the document instead of clustering it again, each into
+    # rows of its own (grafts write them), and clustered their own chunks past it onto it
     assert w.manager.stats["index_reused"] >= 2 and w.manager.stats["index_builds"] == 1
+    assert w.manager.stats["index_extends"] == 2
     assert sb.pool.fo != sc.pool.fo and sb.pool.ko != sc.pool.ko
