@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.attention_recall import capture, mask_metrics, own_masks, summarize
+from bench.attention_recall import capture, load, mask_metrics, own_masks, summarize
 from bench.tasks import make
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
@@ -153,16 +153,15 @@ def main():
                     help="retrieval heads as a share of all sparse heads")
     ap.add_argument("--out", default="bench/results/head_roles_smollm2.json")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    tok, model = load(a.model_dir)
     table = BoundaryTable.from_tokenizer(tok)
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
     first = cfg.dense_layers
 
     def run(task, seed, queries):
-        _, ids, layers = capture(a.model_dir, make(task, tok, a.length, seed).prompt)
-        return ids, layers, own_masks(cfg, ids, layers, queries, table)
+        ids = np.asarray(tok(make(task, tok, a.length, seed).prompt).input_ids)
+        layers = capture(model, ids)
+        return ids, layers, own_masks(cfg, ids, layers, range(len(ids) - queries, len(ids)), table)
 
     ids, layers, masks = run(*CALIBRATE, a.calibration_queries)
     loss = reuse_loss(layers, masks, a.budget, first)
