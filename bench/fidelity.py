@@ -43,7 +43,7 @@ def wilson(correct: int, n: int, z: float = 1.96) -> list[float]:
 
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
-        gpu_backend: str | None = None, concurrency: int = 1) -> dict:
+        gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True) -> dict:
     """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished.
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU."""
     from transformers import AutoTokenizer
@@ -64,7 +64,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         for budget in ([None] if method == "off" else budgets):
             cfg = None if method == "off" else {"token_budget": budget, **extra}
             # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
-            args = server + (["--disable-cuda-graph"] if gpu_backend and method == "quest" else [])
+            args = server + (["--disable-cuda-graph"] if gpu_backend and (method == "quest" or not cuda_graph) else [])
             t0 = time.time()
             with Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv, \
                     ThreadPoolExecutor(concurrency) as pool:
@@ -82,7 +82,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
-                    "seconds": round(time.time() - t0, 1)}
+                    "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and "--disable-cuda-graph"
+                    not in args}
             for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
                 vals = [v for k, v in scores.items() if k.split("@")[0] in names]
                 if vals:
@@ -136,6 +137,7 @@ def main():
     ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
                     "lychee wraps")
     ap.add_argument("--concurrency", type=int, default=1, help="samples in flight at once (batched by SGLang)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="on the GPU: serve every method eagerly")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
@@ -154,7 +156,8 @@ def main():
                 json.dump(res, f, indent=1)
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
-              gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency)
+              gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
+              cuda_graph=not a.disable_cuda_graph)
     if a.plot:
         plot(res, a.plot)
 
