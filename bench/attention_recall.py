@@ -64,9 +64,9 @@ def unit_bounds(chunker, ids):
     return torch.tensor(starts), torch.tensor(ends)
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, radius_weight: float = 1.0) -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
-    through the same functions the server uses."""
+    through the same functions the server uses (``radius_weight``: see ``select.select_clusters``)."""
     dev = layers[0][1].device
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
@@ -90,12 +90,51 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
-                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce)
+                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, radius_weight)
             else:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
                                    cfg.page_size, cfg.gqa_reduce)
             out[(l, t)] = units_to_token_mask(sel, starts, ends, seq, sink, recent)    # [H, seq]
+    return out
+
+
+def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
+    """Like :func:`own_masks`, through the serving path instead: a ``SparseKVManager`` builds the prompt's index in
+    its pools from a KV pool holding the captured keys (slot = position + 1), and ``PooledDecode`` (the Triton
+    kernels on a GPU, their twins on the CPU) selects each decode step's token lists; the tokens before each
+    query are fed as decode steps, so decode chunks are cut and grafted as in serving."""
+    from sgl_sparsekv.manager import SparseKVManager
+    from sgl_sparsekv.patches.pooled_decode import PooledDecode
+
+    dev = layers[0][1].device
+    H, n, d = layers[0][1].shape
+    Hq = layers[0][0].shape[0]
+    k_pool = [torch.cat([torch.zeros(1, H, d, device=dev), k.transpose(0, 1)]) for _, k, _ in layers]
+    v_pool = [torch.cat([torch.zeros(1, H, d, device=dev), v.transpose(0, 1)]) for _, _, v in layers]
+    r2t = torch.zeros(1, n + 1, dtype=torch.int32, device=dev)
+    r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
+    m = SparseKVManager(cfg, len(layers), H, d, n + 1, device=dev, boundary_table=table)
+    decoder = PooledDecode(m, max_bs=1, q_heads=Hq)
+    first = positions[0]                                    # the prompt: tokens [0, first]
+    toks = [int(x) for x in ids]
+    plan = m.prepare_extend([0], [0], [first + 1], r2t, [toks])
+    for l in range(len(layers)):
+        m.pool_layer(l, k_pool[l], plan)
+    m.finish_extend([0], [True], r2t, lambda l: k_pool[l])
+    out = {}
+    for t in range(first, positions[-1] + 1):   # a decode step per token (cuts and grafts as in serving)
+        decoder.prepare([0], [t + 1], 1, r2t, [toks], lambda l: k_pool[l])
+        if t not in positions:
+            continue
+        for l in range(cfg.dense_layers, len(layers)):
+            q = layers[l][0][:, t][None].to(k_pool[l].dtype)    # [1, Hq, d]
+            decoder.attend(q, k_pool[l], v_pool[l], l - cfg.dense_layers, r2t, d ** -0.5)
+            mask = torch.zeros(H, t + 1, dtype=torch.bool, device=dev)
+            for h in range(H):
+                w = decoder.windows[h * decoder.cap:h * decoder.cap + int(decoder.lens[h])].long()
+                mask[h, w - 1] = True
+            out[(l, t)] = mask
     return out
 
 
@@ -137,18 +176,46 @@ def summarize(per: dict) -> dict:
     return dict(**agg, per_layer=per_layer)
 
 
-def per_query(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
-    """{(layer, t): [H, 5] metrics} of the queries at ``positions``."""
-    masks = own_masks(cfg, ids, layers, positions, table)
-    return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}
+def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str = ""):
+    """({(layer, t): [H, 5] metrics}, {(layer, t): mask}) of the queries at ``positions``; ``variant``: one of
+    VARIANTS (served through the manager, or ranked with a weighted radius)."""
+    if variant.endswith("-served"):
+        masks = served_masks(cfg, ids, layers, positions, table)
+    else:
+        masks = own_masks(cfg, ids, layers, positions, table, RADIUS_WEIGHT.get(variant, 1.0))
+    return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
-def evaluate(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
-    return dict(config=cfg.to_dict(), **summarize(per_query(cfg, ids, layers, positions, table)))
+def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
+    """The ``n`` (layer, query, query head) whose dense attention mass the selection covers least, each with the
+    tokens dense attention weighs most there and whether the selection has them: where the missed mass goes."""
+    rows = []
+    for (l, t), m in masks.items():
+        q, k, _ = layers[l]
+        H, _, d = k.shape
+        G = q.shape[0] // H
+        w = torch.softmax(torch.einsum("hgd,hsd->hgs", q[:, t].view(H, G, d), k[:, :t + 1]) / math.sqrt(d), -1)
+        mass = (w * m[:, None]).sum(-1).cpu()
+        rows += [(float(mass[h, g]), l, t, h, g) for h in range(H) for g in range(G)]
+    out = []
+    for mass, l, t, h, g in sorted(rows)[:n]:
+        q, k, _ = layers[l]
+        G = q.shape[0] // k.shape[0]
+        w = torch.softmax(k[h, :t + 1] @ q[h * G + g, t] / math.sqrt(k.shape[-1]), -1)
+        top = torch.topk(w, 4)
+        out.append({"layer": l, "query": t, "kv_head": h, "q_head": h * G + g, "mass_recall": round(mass, 4),
+                    "top": [{"pos": int(p), "weight": round(float(x), 4), "token": tok.decode([int(ids[p])]),
+                             "selected": bool(masks[(l, t)][h, p])} for p, x in zip(top.indices, top.values)]})
+    return out
 
 
+# analysis-only rankings (not served yet): the bounds' radius term scaled down, to 0 = the centroid's score
+RADIUS_WEIGHT = {"lychee-radius-0.25": 0.25, "lychee-centroid-rank": 0.0}
 VARIANTS = {
     "lychee": {},
+    "lychee-served": {},
+    "lychee-radius-0.25": {},
+    "lychee-centroid-rank": {},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
@@ -187,6 +254,8 @@ def main():
     ap.add_argument("--task", default=None, help="a bench.tasks task: its samples, queried while answering")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--explain", type=int, default=0, help="per sample and variant, the N worst-covered query "
+                    "heads with dense attention's top tokens")
     ap.add_argument("--out", default="bench/results/attention_recall_smollm2.json")
     a = ap.parse_args()
     tok, model = load(a.model_dir, a.device)
@@ -199,8 +268,10 @@ def main():
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
         for v in a.variants:
             cfg = SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
-            per[v].update({(l, f"{name}:{t}"): m for (l, t), m in per_query(cfg, ids, layers, positions,
-                                                                             table).items()})
+            got, masks = per_query(cfg, ids, layers, positions, table, v)
+            per[v].update({(l, f"{name}:{t}"): m for (l, t), m in got.items()})
+            if a.explain:
+                res["samples"][-1].setdefault("worst", {})[v] = worst_misses(layers, masks, ids, tok, a.explain)
         del layers
     for v in a.variants:
         cfg = SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})

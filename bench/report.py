@@ -229,9 +229,32 @@ def fidelity_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def fidelity_runs_table(path: Path) -> str:
+    """Runs of one length, each with its own card, commit and sample count: correct/n per task, the total with its
+    95% Wilson interval."""
+    from bench.fidelity import wilson
+
+    r = json.loads(path.read_text())
+    tasks = list(dict.fromkeys(t for run in r["runs"] for t in run["tasks"]))
+    n = r["lengths"][0]
+    rows = []
+    for run in r["runs"]:
+        c = run["counts"]
+        ok, tot = sum(v["correct"] for v in c.values()), sum(v["n"] for v in c.values())
+        lo, hi = wilson(ok, tot)
+        cells = [f"{c[k]['correct']}/{c[k]['n']}" if (k := f"{t}@{n}") in c else "-" for t in tasks]
+        rows.append((run["method"], run["budget"] or "dense", run["device"].replace("NVIDIA ", ""), run["commit"],
+                     "on" if run["cuda_graph"] else "off", *cells, f"{ok}/{tot} ({lo:.2f}-{hi:.2f})",
+                     f"{run['kv_read']:.1%}"))
+    return md_table(f"Fidelity on the GPU, {r['model']}, real weights, {n} tokens (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read"], rows)
+
+
 def main():
     out = []
-    for name, fn in (("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
+    for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
+                     ("attention_recall_qwen_vt4k_b2000.json", recall_table),
+                     ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),

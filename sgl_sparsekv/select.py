@@ -26,12 +26,19 @@ def _prefix_within(sizes_sorted: torch.Tensor, valid_sorted: torch.Tensor, budge
 
 
 def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_expand: float,
-                    reduce: str) -> torch.Tensor:
-    """Fine clusters to attend: bool [H, L]. q: [H, G, d] the layer's query heads per KV head."""
+                    reduce: str, radius_weight: float = 1.0) -> torch.Tensor:
+    """Fine clusters to attend: bool [H, L]. q: [H, G, d] the layer's query heads per KV head.
+
+    ``radius_weight`` scales the radius term of every bound: 1 ranks by the upper bound (what serving does),
+    0 by the centroid's score alone (an analysis option of bench/attention_recall.py, not served yet)."""
     H, L = index.fine_r.shape
     if budget <= 0:
         return torch.zeros(H, L, dtype=torch.bool, device=q.device)
-    ub_g = upper_bound(q, index.coarse_mu, index.coarse_r, reduce)
+
+    def weighted(r):   # empty nodes keep their -inf
+        return r if radius_weight == 1 else torch.where(torch.isfinite(r), radius_weight * r, r)
+
+    ub_g = upper_bound(q, index.coarse_mu, weighted(index.coarse_r), reduce)
     ub_g = ub_g.masked_fill(index.coarse_n == 0, NEG_INF)
     order = torch.sort(ub_g, dim=-1, descending=True, stable=True).indices
     tok = index.coarse_tokens.gather(1, order)
@@ -39,7 +46,7 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
     expand_sorted = (before < coarse_expand * budget) & torch.isfinite(ub_g.gather(1, order))
     expanded = torch.zeros_like(expand_sorted).scatter_(1, order, expand_sorted)
 
-    ub_c = upper_bound(q, index.fine_mu, index.fine_r, reduce)
+    ub_c = upper_bound(q, index.fine_mu, weighted(index.fine_r), reduce)
     live = expanded.gather(1, index.fine_parent) & (index.fine_n > 0)
     ub_c = ub_c.masked_fill(~live, NEG_INF)
     order = torch.sort(ub_c, dim=-1, descending=True, stable=True).indices
@@ -48,9 +55,9 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
 
 
 def select_chunks(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_expand: float,
-                  reduce: str) -> torch.Tensor:
+                  reduce: str, radius_weight: float = 1.0) -> torch.Tensor:
     """Chunks to attend: bool [H, M]."""
-    fine = select_clusters(index, q, budget, coarse_expand, reduce)
+    fine = select_clusters(index, q, budget, coarse_expand, reduce, radius_weight)
     return fine.gather(1, index.chunk_fine)
 
 

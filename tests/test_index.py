@@ -236,3 +236,30 @@ def test_extend_index_clusters_new_chunks_with_valid_bounds(seed, max_coarse):
     for _ in range(5):
         _check_bounds(ix, keys, torch.randn(H, G, d, generator=gen) * 3)
     assert bool(select_chunks(ix, q * 4, 256, 4.0, "max")[:, needle].all())
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.25, 1.0])
+def test_radius_weight_ranks_by_scaled_bound(weight):
+    """select_clusters with every coarse unit expanded equals brute force: fine clusters in order of
+    max over the group of q.mu + weight |q| r, taken while their tokens fit the budget."""
+    gen = torch.Generator().manual_seed(5)
+    H, M, d, G, budget = 2, 300, 32, 3, 400
+    keys = _keys("clustered", H, M, d, gen)
+    lens = torch.randint(8, 17, (M,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    q = torch.randn(H, G, d, generator=gen) * 3
+    got = select_clusters(index, q, budget, 1e9, "max", radius_weight=weight)
+    score = (torch.einsum("hgd,hld->hgl", q, index.fine_mu) + q.norm(dim=-1)[..., None] * weight
+             * index.fine_r.clamp_min(0)[:, None]).amax(1)
+    for h in range(H):
+        live = index.fine_n[h] > 0
+        order = sorted((i for i in range(score.shape[1]) if live[i]), key=lambda i: (-float(score[h, i]), i))
+        want, used = torch.zeros_like(got[h]), 0.0
+        for i in order:
+            if used + float(index.fine_tokens[h, i]) > budget:
+                break
+            used += float(index.fine_tokens[h, i])
+            want[i] = True
+        assert torch.equal(got[h], want), (weight, h)
+    if weight == 0.0:   # the radius term changes the ranking here (else the test would not tell weights apart)
+        assert not torch.equal(got, select_clusters(index, q, budget, 1e9, "max"))
