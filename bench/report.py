@@ -34,7 +34,13 @@ def md_table(caption: str, header: list[str], rows) -> str:
 
 def recall_table(path: Path) -> str:
     r = json.loads(path.read_text())
-    return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {r['tokens']} tokens, budget {r['budget']}, "
+    if "tokens" in r:
+        what = f"{r['tokens']} tokens"
+    else:   # a task's samples, queried where their answers are produced
+        sm = r["samples"]
+        what = (f"{r['task']} answers ({len(sm)} samples of {min(x['tokens'] for x in sm)}-"
+                f"{max(x['tokens'] for x in sm)} tokens, {sum(x['queries'] for x in sm)} queries), {r.get('device', 'CPU')}")
+    return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {what}, budget {r['budget']}, "
                     f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["variant", "attention-mass recall", "worst head", "top-k recall", "output rel. error", "KV read"],
                     [(name, f"{v['mass_recall']:.3f}", f"{v['mass_recall_min']:.3f}", f"{v['topk_recall']:.3f}",
@@ -253,7 +259,10 @@ def fidelity_runs_table(path: Path) -> str:
 def main():
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
+                     ("attention_recall_qwen_variable_tracking_4k.json", recall_table),
+                     ("attention_recall_qwen_niah_multivalue_4k.json", recall_table),
                      ("attention_recall_qwen_vt4k_b2000.json", recall_table),
+                     ("attention_recall_qwen_vt16k_h100.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),

@@ -153,7 +153,8 @@ def extend_index(index: ClusterIndex, keys: torch.Tensor, chunk_len: torch.Tenso
     of a prompt past an adopted prefix. The new chunks get fine clusters of their own, as a build would make:
     grafted one by one into the prefix's clusters, thousands of prompt chunks inflate their radii until the
     bounds no longer tell clusters apart, and a needle among them is lost. The coarse level is clustered again
-    over all fine clusters (cheap: a few per coarse unit), so its radii stay as tight as a build's."""
+    over all fine centroids (a k-means of about half as many points as chunks, into at most ``max_coarse``), so
+    its radii stay as tight as a build's."""
     M2 = keys.shape[1]
     L2, _ = cluster_counts(M2, fine_cluster_size, max_coarse)
     fine = _fine_level(keys, chunk_len, L2, iters)
