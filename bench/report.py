@@ -261,6 +261,7 @@ def main():
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("attention_recall_qwen_variable_tracking_4k.json", recall_table),
                      ("attention_recall_qwen_niah_multivalue_4k.json", recall_table),
+                     ("attention_recall_qwen_variable_tracking_16k.json", recall_table),
                      ("attention_recall_qwen_vt4k_b2000.json", recall_table),
                      ("attention_recall_qwen_vt16k_h100.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
