@@ -8,9 +8,9 @@ Runs the model once over long prompts with transformers, capturing every layer's
 queries, keys and values. The last ``--queries`` prompt positions act as decode queries over
 the tokens before them; with ``--task``, the prompt of a fidelity task's seeded sample is followed by its
 expected answer, and the queries are the ones that produce the answer's tokens (teacher forcing): what dense
-attention reads while answering, against what the selection gives it. For each sparse layer and each method/config it reports, against dense
-attention: top-k recall (share of the budget's top dense tokens that were selected),
-attention-mass recall (dense softmax weight on the selected tokens), the output's relative
+attention reads while answering, against what the selection gives it. For each sparse layer and each
+method/config it reports, against dense attention: top-k recall (share of the budget's top dense tokens
+that were selected), attention-mass recall (dense softmax weight on the selected tokens), the output's relative
 error, and the share of KV read. Selection runs through the same functions the server uses.
 """
 
@@ -262,19 +262,19 @@ def main():
     table = BoundaryTable.from_tokenizer(tok)
     res = {"model": a.model_dir, "device": torch.cuda.get_device_name() if a.device != "cpu" else "CPU",
            "budget": a.budget, "task": a.task, "length": a.length, "samples": [], "variants": {}}
+    cfgs = {v: SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
+            for v in a.variants}
     per = {name: {} for name in a.variants}
     for name, ids, positions in samples(tok, a):
         layers = capture(model, ids)
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
-        for v in a.variants:
-            cfg = SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
+        for v, cfg in cfgs.items():
             got, masks = per_query(cfg, ids, layers, positions, table, v)
             per[v].update({(l, f"{name}:{t}"): m for (l, t), m in got.items()})
             if a.explain:
                 res["samples"][-1].setdefault("worst", {})[v] = worst_misses(layers, masks, ids, tok, a.explain)
         del layers
-    for v in a.variants:
-        cfg = SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
+    for v, cfg in cfgs.items():
         r = res["variants"][v] = dict(config=cfg.to_dict(), **summarize(per[v]))
         print(f"{v:22s} mass {r['mass_recall']:.3f} (min {r['mass_recall_min']:.3f})  top-k {r['topk_recall']:.3f}"
               f"  out err {r['out_rel_err']:.3f}  kv read {r['kv_read']:.3f}", flush=True)

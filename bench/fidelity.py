@@ -3,7 +3,7 @@
     python -m bench.fidelity --quick                      # a few samples, one budget (CI)
     python -m bench.fidelity --model smollm2 --out bench/results/fidelity_smollm2.json --plot bench/results/fidelity_smollm2.png
     python3 -m bench.fidelity --device gpu --model qwen2.5-coder-0.5b --model-dir /tmp/qwen --lengths 16000 \
-        --samples 50 --concurrency 16 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
+        --samples 50 --concurrency 32 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation).
 Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
@@ -64,7 +64,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         for budget in ([None] if method == "off" else budgets):
             cfg = None if method == "off" else {"token_budget": budget, **extra}
             # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
-            args = server + (["--disable-cuda-graph"] if gpu_backend and (method == "quest" or not cuda_graph) else [])
+            eager = bool(gpu_backend) and (method == "quest" or not cuda_graph)
+            args = server + (["--disable-cuda-graph"] if eager else [])
             t0 = time.time()
             with Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv, \
                     ThreadPoolExecutor(concurrency) as pool:
@@ -82,8 +83,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
-                    "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and "--disable-cuda-graph"
-                    not in args}
+                    "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and not eager}
             for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
                 vals = [v for k, v in scores.items() if k.split("@")[0] in names]
                 if vals:
