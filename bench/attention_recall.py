@@ -64,9 +64,9 @@ def unit_bounds(chunker, ids):
     return torch.tensor(starts), torch.tensor(ends)
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, radius_weight: float = 1.0) -> dict:
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
-    through the same functions the server uses (``radius_weight``: see ``select.select_clusters``)."""
+    through the reference functions the server's kernels are tested against."""
     dev = layers[0][1].device
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
@@ -90,7 +90,7 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, radius_weight:
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
-                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, radius_weight)
+                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
             else:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
@@ -178,11 +178,11 @@ def summarize(per: dict) -> dict:
 
 def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str = ""):
     """({(layer, t): [H, 5] metrics}, {(layer, t): mask}) of the queries at ``positions``; ``variant``: one of
-    VARIANTS (served through the manager, or ranked with a weighted radius)."""
+    VARIANTS (``-served``: selected through the manager and the pooled decode path)."""
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
     else:
-        masks = own_masks(cfg, ids, layers, positions, table, RADIUS_WEIGHT.get(variant, 1.0))
+        masks = own_masks(cfg, ids, layers, positions, table)
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
@@ -209,13 +209,12 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
     return out
 
 
-# analysis-only rankings (not served yet): the bounds' radius term scaled down, to 0 = the centroid's score
-RADIUS_WEIGHT = {"lychee-radius-0.25": 0.25, "lychee-centroid-rank": 0.0}
 VARIANTS = {
     "lychee": {},
     "lychee-served": {},
-    "lychee-radius-0.25": {},
-    "lychee-centroid-rank": {},
+    "lychee-radius-0.25": {"radius_weight": 0.25},
+    "lychee-radius-0.25-served": {"radius_weight": 0.25},
+    "lychee-centroid-rank": {"radius_weight": 0.0},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},

@@ -32,12 +32,12 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
 
     def coarse_pick():
-        ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, rem, expanded, 16.0, q.stride(0), q.stride(1),
-                                            cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
+        ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, rem, expanded, 16.0, 1.0, q.stride(0),
+                                            q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks._fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, q.stride(0), q.stride(1),
-                                                fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P,
+        ks._fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, 1.0, q.stride(0),
+                                                q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P,
                                                 BLOCK_L=32, PARTS=parts)
 
     def cut():

@@ -32,19 +32,21 @@ CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (
 
 
 @triton.jit
-def _bounds(Qg, stride_qh, mu, r, offs_d, dmask, G: tl.constexpr):
-    """Upper bound of each node for a GQA group: max over its query heads of q.mu + |q| r, in fp32 FMAs (no
-    tensor-core tile padding a group of 4 heads to 16 rows). Qg: the group's first query head."""
+def _bounds(Qg, stride_qh, mu, r, rw, offs_d, dmask, G: tl.constexpr):
+    """Ranking score of each node for a GQA group: max over its query heads of q.mu + rw |q| r (rw = 1: the upper
+    bound), in fp32 FMAs (no tensor-core tile padding a group of 4 heads to 16 rows). Qg: the group's first query
+    head. Callers mask empty nodes (r = -inf), where rw = 0 gives NaN."""
     mu = mu.to(tl.float32)
     best = tl.zeros_like(r) + NEG
     for g in tl.static_range(G):
         q = tl.load(Qg + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        best = tl.maximum(best, tl.sum(mu * q[None, :], 1) + tl.sqrt(tl.sum(q * q, 0)) * r)
+        best = tl.maximum(best, tl.sum(mu * q[None, :], 1) + tl.sqrt(tl.sum(q * q, 0)) * rw * r)
     return best
 
 
 @triton.jit
-def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, stride_qb, stride_qh, stride_cm,
+def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, rw, stride_qb, stride_qh,
+                          stride_cm,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_P: tl.constexpr):
     """Per (request, KV head): which coarse units are expanded (P <= BLOCK_P), by counting for each unit the
@@ -63,8 +65,8 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, st
                  mask=pmask[:, None] & dmask[None, :], other=0.0)
     r = tl.load(CR + (co + offs_p) * H + h, mask=pmask, other=NEG)
     tok = tl.load(CTok + (co + offs_p) * H + h, mask=pmask, other=0.0)
-    ub = tl.where(pmask & (r > NEG), _bounds(Q + b * stride_qb + h * G * stride_qh, stride_qh, mu, r, offs_d,
-                                             dmask, G), NEG)
+    ub = tl.where(pmask & (r > NEG), _bounds(Q + b * stride_qb + h * G * stride_qh, stride_qh, mu, r, rw,
+                                             offs_d, dmask, G), NEG)
     before = (ub[None, :] > ub[:, None]) | ((ub[None, :] == ub[:, None]) & (offs_p[None, :] < offs_p[:, None]))
     tok_before = tl.sum(tl.where(before, tok[None, :], 0.0), 1)
     expanded = (tok_before < expand * budget) & (ub > NEG)
@@ -72,7 +74,7 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, st
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, stride_qb, stride_qh, stride_fm,
+def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, rw, stride_qb, stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others); PARTS programs per
@@ -96,7 +98,7 @@ def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, stride_qb, stri
         if tl.max(live.to(tl.int32), 0) > 0:
             fmu = tl.load(FMu + (fo + offs_l)[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0.0)
-            fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, offs_d, dmask, G), NEG)
+            fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
         tl.store(Bnd + (fo + offs_l) * H + h, fub, mask=lmask)
 
 
@@ -200,13 +202,15 @@ def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, H: tl.constexpr, BLOCK: tl.const
 
 
 def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK):
+                out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+                radius_weight: float = 1.0):
     """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows; other rows are untouched.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
     co/pn/fo/ln/budget: [bs] int32 per batch row. ``out`` = (bounds, sel), both [F, H] float32; ``parts``
     programs per (request, KV head) split the clusters' bounds. Requests with more than ``cut_block`` fine
-    clusters are cut in passes over memory instead of registers.
+    clusters are cut in passes over memory instead of registers. ``radius_weight`` scales the bound's radius
+    term in the ranking (``select.select_clusters``).
     """
     bs, Hq, D = q.shape
     cmu, cr, ctok = coarse
@@ -218,11 +222,12 @@ def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coar
     bnd, sel = out if out is not None else (torch.empty(fr.shape, dtype=torch.float32, device=q.device),
                                             torch.empty(fr.shape, dtype=torch.float32, device=q.device))
     expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device=q.device)
-    _coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, budget, expanded, float(expand), q.stride(0),
-                                     q.stride(1), cmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
-    _fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, q.stride(0), q.stride(1),
-                                         fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P,
-                                         BLOCK_L=32, PARTS=parts)
+    _coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, budget, expanded, float(expand),
+                                     float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
+                                     BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
+    _fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, float(radius_weight),
+                                         q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D,
+                                         BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
     _cut_kernel[(bs * H,)](bnd, ftok, fo, ln, budget, sel, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
@@ -328,7 +333,8 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
 
 
 def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK):
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+                    radius_weight: float = 1.0):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's pool rows. A node is live
     where its radius is finite, as the kernels read it."""
     from sgl_sparsekv.index import ClusterIndex
@@ -345,7 +351,8 @@ def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_
                             fine_tokens=ftok[f].T, fine_parent=fpar[f].T.long(), coarse_mu=cmu[c].transpose(0, 1).float(),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
                             chunk_fine=fpar[f0:f0].T)
-        sel[f] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max").T.float()
+        sel[f] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
+                                 radius_weight).T.float()
     return sel
 
 

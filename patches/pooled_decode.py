@@ -88,7 +88,8 @@ class PooledDecode:
         # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
         qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
         sel = self.select(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
-                          cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel))
+                          cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel),
+                          radius_weight=cfg.radius_weight)
         lens, windows = self.emit(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
                                     req_to_token, cfg.sink_tokens, cfg.recent_window, self.cap,
                                     dense_limit=cfg.token_budget, max_chunk=cfg.chunk_max, parts=self.parts,

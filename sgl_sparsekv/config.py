@@ -47,6 +47,9 @@ class SparseKVConfig:
     # Coarse units are expanded in bound order until their fine clusters hold
     # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py).
     coarse_expand: float = 16.0
+    # Coarse units and fine clusters are ranked by q.mu + radius_weight |q| r: 1 is the upper bound of
+    # LycheeCluster; lower weights stop wide clusters of filler outranking the tight one holding a needle.
+    radius_weight: float = 1.0
     # GPU index pools hold indexes over this many times the KV slots (requests sharing a prefix
     # share its KV but each holds its own index); charged to SGLang's memory plan per KV slot.
     index_pool_scale: float = 2.0
@@ -56,7 +59,7 @@ class SparseKVConfig:
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand", "index_pool_scale"),
+                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale"),
         "quest": ("page_size",),
     }
 
@@ -96,6 +99,8 @@ class SparseKVConfig:
             raise ConfigError(f"sparse-kv config: key 'gqa_reduce' must be 'max' or 'mean', got {self.gqa_reduce!r}")
         if self.coarse_expand < 1:
             raise ConfigError(f"sparse-kv config: key 'coarse_expand' must be >= 1, got {self.coarse_expand}")
+        if not 0 <= self.radius_weight <= 1:
+            raise ConfigError(f"sparse-kv config: key 'radius_weight' must be in [0, 1], got {self.radius_weight}")
         if self.enabled:
             # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
             # leave room for at least one retrieved unit beside the sink and the window.

@@ -29,8 +29,8 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
                     reduce: str, radius_weight: float = 1.0) -> torch.Tensor:
     """Fine clusters to attend: bool [H, L]. q: [H, G, d] the layer's query heads per KV head.
 
-    ``radius_weight`` scales the radius term of every bound: 1 ranks by the upper bound (what serving does),
-    0 by the centroid's score alone (an analysis option of bench/attention_recall.py, not served yet)."""
+    ``radius_weight`` scales the radius term of every bound: 1 ranks by the upper bound, 0 by the centroid's
+    score alone (config key ``radius_weight``)."""
     H, L = index.fine_r.shape
     if budget <= 0:
         return torch.zeros(H, L, dtype=torch.bool, device=q.device)

@@ -41,6 +41,8 @@ def test_shipped_configs_load():
     ("lychee", {"chunking": "words"}, "key 'chunking' must be 'structure' or 'fixed'"),
     ("lychee", {"gqa_reduce": "sum"}, "key 'gqa_reduce' must be 'max' or 'mean'"),
     ("lychee", {"coarse_expand": 0.5}, "key 'coarse_expand' must be >= 1"),
+    ("lychee", {"radius_weight": 1.5}, "key 'radius_weight' must be in [0, 1]"),
+    ("quest", {"radius_weight": 0.0}, "key 'radius_weight' applies to --sparse-kv lychee, not quest"),
     ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
     ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),
     ("quest", {"method": "lychee"}, "key 'method' is 'lychee' but --sparse-kv is 'quest'"),

@@ -35,13 +35,13 @@ def test_select_fine_matches_reference(G, D):
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
     coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
-    for expand, parts in ((1.0, 1), (4.0, 3), (1e6, 8)):
-        sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln,
-                          torch.tensor(budgets, dtype=torch.int32, device=DEV), expand, parts=parts).cpu()
+    for expand, parts, rw in ((1.0, 1, 1.0), (4.0, 3, 1.0), (1e6, 8, 1.0), (4.0, 3, 0.25), (1.0, 2, 0.0)):
+        sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor(budgets, dtype=torch.int32, device=DEV),
+                          expand, parts=parts, radius_weight=rw).cpu()
         for b, ix in enumerate(indexes):
-            ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max")
+            ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max", rw)
             got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
-            assert torch.equal(got, ref), (b, expand)
+            assert torch.equal(got, ref), (b, expand, rw)
 
 
 @pytest.mark.parametrize("cut_block", [16, 4096])
