@@ -215,6 +215,7 @@ VARIANTS = {
     "lychee-radius-0.25": {"radius_weight": 0.25},
     "lychee-radius-0.25-served": {"radius_weight": 0.25},
     "lychee-centroid-rank": {"radius_weight": 0.0},
+    "lychee-centroid-gqa-mean": {"radius_weight": 0.0, "gqa_reduce": "mean"},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
