@@ -93,10 +93,11 @@ def test_emit_matches_reference_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut_block", [4096, 512])
-def test_select_and_emit_real_shapes(cut_block):
+@pytest.mark.parametrize("cut_block,rw", [(4096, 1.0), (512, 1.0), (4096, 0.25)])
+def test_select_and_emit_real_shapes(cut_block, rw):
     """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
-    512 takes the cut's pass over memory (requests past 4096 fine clusters, about 100K tokens)."""
+    512 takes the cut's pass over memory (requests past 4096 fine clusters, about 100K tokens); ``rw`` is the
+    radius weight of the ranking."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
@@ -104,7 +105,7 @@ def test_select_and_emit_real_shapes(cut_block):
     coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block)
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block, radius_weight=rw)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
     rows = torch.arange(bs, dtype=torch.int32, device=DEV)
@@ -112,7 +113,7 @@ def test_select_and_emit_real_shapes(cut_block):
                                     recent, budget)
     sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
-        ref = select_clusters(ix, q[b].view(H, G, D).float(), budget - sink - recent, 16.0, "max")
+        ref = select_clusters(ix, q[b].view(H, G, D).float(), budget - sink - recent, 16.0, "max", rw)
         assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
