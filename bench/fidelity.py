@@ -28,6 +28,7 @@ from bench.tasks import RULER, STRUCTURED, TASKS, make
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"}),
            "lychee-radius-0.25": ("lychee", {"radius_weight": 0.25}),
+           "lychee-radius-0.5": ("lychee", {"radius_weight": 0.5}),
            "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
            "lychee-centroid-gqa-mean": ("lychee", {"radius_weight": 0.0, "gqa_reduce": "mean"})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
