@@ -212,10 +212,8 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
 VARIANTS = {
     "lychee": {},
     "lychee-served": {},
-    "lychee-radius-0.25": {"radius_weight": 0.25},
-    "lychee-radius-0.25-served": {"radius_weight": 0.25},
+    "lychee-upper-bound": {"radius_weight": 1.0},
     "lychee-centroid-rank": {"radius_weight": 0.0},
-    "lychee-centroid-gqa-mean": {"radius_weight": 0.0, "gqa_reduce": "mean"},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
