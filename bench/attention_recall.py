@@ -28,7 +28,7 @@ from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.summary import summarize_units
-from sgl_sparsekv.select import select_chunks, select_pages, units_to_token_mask
+from sgl_sparsekv.select import _prefix_within, quest_scores, select_chunks, select_pages, units_to_token_mask
 
 
 def load(model_dir: str, device: str = "cpu"):
@@ -64,9 +64,29 @@ def unit_bounds(chunker, ids):
     return torch.tensor(starts), torch.tensor(ends)
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
+def token_bound_chunks(index, kbuf, starts, ends, q, budget: int, reduce: str) -> torch.Tensor:
+    """Analysis: lychee's fine clusters ranked by Quest's bound over their tokens' keys (per-channel min/max of
+    every token in the cluster) instead of their chunk centroids, all clusters live -> bool [H, M] chunks."""
+    H, M = index.chunk_fine.shape
+    L, d = index.fine_mu.shape[1], kbuf.shape[-1]
+    pos = torch.arange(int(starts[0]), int(ends[-1]), device=kbuf.device)
+    chunk = torch.searchsorted(ends, pos, right=True)
+    fine = index.chunk_fine[:, chunk]                                          # [H, T]
+    keys = kbuf[pos].transpose(0, 1).float()                                   # [H, T, d]
+    idx = fine[..., None].expand(-1, -1, d)
+    kmin = torch.full((H, L, d), float("inf"), device=kbuf.device).scatter_reduce(1, idx, keys, "amin")
+    kmax = torch.full((H, L, d), float("-inf"), device=kbuf.device).scatter_reduce(1, idx, keys, "amax")
+    live = torch.isfinite(kmin[..., 0])
+    score = quest_scores(q, kmin.nan_to_num(0.0, 0.0, 0.0), kmax.nan_to_num(0.0, 0.0, 0.0), reduce)
+    order = torch.sort(score.masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
+    take = _prefix_within(index.fine_tokens.gather(1, order), live.gather(1, order), budget)
+    return torch.zeros_like(take).scatter_(1, order, take).gather(1, index.chunk_fine)
+
+
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: bool = False) -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
-    through the reference functions the server's kernels are tested against."""
+    through the reference functions the server's kernels are tested against (``token_bound``: fine clusters
+    ranked by :func:`token_bound_chunks`)."""
     dev = layers[0][1].device
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
@@ -90,7 +110,10 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
-                sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
+                if token_bound:
+                    sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce)
+                else:
+                    sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
             else:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
@@ -182,7 +205,7 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
     else:
-        masks = own_masks(cfg, ids, layers, positions, table)
+        masks = own_masks(cfg, ids, layers, positions, table, variant.endswith("-token-bound"))
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
@@ -214,6 +237,7 @@ VARIANTS = {
     "lychee-served": {},
     "lychee-upper-bound": {"radius_weight": 1.0},
     "lychee-centroid-rank": {"radius_weight": 0.0},
+    "lychee-token-bound": {},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
