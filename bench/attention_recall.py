@@ -64,29 +64,36 @@ def unit_bounds(chunker, ids):
     return torch.tensor(starts), torch.tensor(ends)
 
 
-def token_bound_chunks(index, kbuf, starts, ends, q, budget: int, reduce: str) -> torch.Tensor:
-    """Analysis: lychee's fine clusters ranked by Quest's bound over their tokens' keys (per-channel min/max of
-    every token in the cluster) instead of their chunk centroids, all clusters live -> bool [H, M] chunks."""
+def token_bound_chunks(index, kbuf, starts, ends, q, budget: int, reduce: str, per_chunk: bool = False) -> torch.Tensor:
+    """Analysis: lychee's fine clusters (``per_chunk``: its chunks) ranked by Quest's bound over their tokens' keys
+    (per-channel min/max of every token in the group) instead of their chunk centroids, every group live; taken in
+    that order while they fit the budget -> bool [H, M] chunks."""
     H, M = index.chunk_fine.shape
-    L, d = index.fine_mu.shape[1], kbuf.shape[-1]
+    d = kbuf.shape[-1]
     pos = torch.arange(int(starts[0]), int(ends[-1]), device=kbuf.device)
     chunk = torch.searchsorted(ends, pos, right=True)
-    fine = index.chunk_fine[:, chunk]                                          # [H, T]
-    keys = kbuf[pos].transpose(0, 1).float()                                   # [H, T, d]
-    idx = fine[..., None].expand(-1, -1, d)
+    if per_chunk:
+        group, L = chunk.expand(H, -1), M
+        sizes = (ends - starts).float().expand(H, -1)
+    else:
+        group, L = index.chunk_fine[:, chunk], index.fine_mu.shape[1]              # [H, T]
+        sizes = index.fine_tokens
+    keys = kbuf[pos].transpose(0, 1).float()                                       # [H, T, d]
+    idx = group[..., None].expand(-1, -1, d)
     kmin = torch.full((H, L, d), float("inf"), device=kbuf.device).scatter_reduce(1, idx, keys, "amin")
     kmax = torch.full((H, L, d), float("-inf"), device=kbuf.device).scatter_reduce(1, idx, keys, "amax")
     live = torch.isfinite(kmin[..., 0])
     score = quest_scores(q, kmin.nan_to_num(0.0, 0.0, 0.0), kmax.nan_to_num(0.0, 0.0, 0.0), reduce)
     order = torch.sort(score.masked_fill(~live, float("-inf")), dim=-1, descending=True, stable=True).indices
-    take = _prefix_within(index.fine_tokens.gather(1, order), live.gather(1, order), budget)
-    return torch.zeros_like(take).scatter_(1, order, take).gather(1, index.chunk_fine)
+    take = _prefix_within(sizes.gather(1, order), live.gather(1, order), budget)
+    take = torch.zeros_like(take).scatter_(1, order, take)
+    return take if per_chunk else take.gather(1, index.chunk_fine)
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: bool = False) -> dict:
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "") -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
-    through the reference functions the server's kernels are tested against (``token_bound``: fine clusters
-    ranked by :func:`token_bound_chunks`)."""
+    through the reference functions the server's kernels are tested against (``token_bound`` "cluster" or
+    "chunk": ranked by :func:`token_bound_chunks`)."""
     dev = layers[0][1].device
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
@@ -111,7 +118,8 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: b
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
                 if token_bound:
-                    sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce)
+                    sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce,
+                                             token_bound == "chunk")
                 else:
                     sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
             else:
@@ -205,7 +213,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
     else:
-        masks = own_masks(cfg, ids, layers, positions, table, variant.endswith("-token-bound"))
+        bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
+        masks = own_masks(cfg, ids, layers, positions, table, bound)
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
@@ -237,7 +246,9 @@ VARIANTS = {
     "lychee-served": {},
     "lychee-upper-bound": {"radius_weight": 1.0},
     "lychee-centroid-rank": {"radius_weight": 0.0},
-    "lychee-token-bound": {},
+    "lychee-cluster-token-bound": {},
+    "lychee-chunk-token-bound": {},
+    "lychee-fine-1": {"fine_cluster_size": 1.0},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
