@@ -123,7 +123,8 @@ class TwinWorld(World):
         heads = slice(l * H, (l + 1) * H)
         ix = ClusterIndex(**{k: v[heads].float() if v.is_floating_point() else v[heads] for k, v in vars(ix).items()})
         sink, recent = cfg.sink_tokens, cfg.recent_window
-        sel = select_chunks(ix, q.view(H, G, D), cfg.token_budget - sink - recent, cfg.coarse_expand, cfg.gqa_reduce)
+        sel = select_chunks(ix, q.view(H, G, D), cfg.token_budget - sink - recent, cfg.coarse_expand, cfg.gqa_reduce,
+                            cfg.radius_weight)
         return units_to_token_mask(sel, torch.tensor(st.starts), torch.tensor(st.ends), S, sink, recent)
 
     def decode_batch(self, reqs):
