@@ -7,7 +7,7 @@
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
-0.25 by default).
+0.25 by default), and lychee with one chunk per fine cluster (``fine_cluster_size`` 1).
 Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
 cell records its sample count and a 95% Wilson interval. On the GPU the server runs with CUDA graphs on
 (``--attention-backend``, Triton by default) and ``--concurrency`` samples in flight, so SGLang batches them.
@@ -30,7 +30,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"}),
            "lychee-upper-bound": ("lychee", {"radius_weight": 1.0}),
            "lychee-radius-0.5": ("lychee", {"radius_weight": 0.5}),
-           "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0})}
+           "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
+           "lychee-fine-1": ("lychee", {"fine_cluster_size": 1.0})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",

@@ -13,9 +13,9 @@ instance:
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
-Ratios are lychee over dense, from the same run on the same device. One method per device call fits the
-10-minute limit: ``--resume`` adds this call's methods (or more of a method's measurements) to the result of an
-earlier call on the same machine.
+Ratios are lychee (and each lychee-hybrid-* variant: hybrid heads) over dense, from the same run on the same
+device. One method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a
+method's measurements) to the result of an earlier call on the same machine.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--mem-fraction-static", "0.8", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
+WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
+# lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
+# weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection)
+VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
+            "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
@@ -124,13 +129,18 @@ def ratios(dense: dict, lychee: dict) -> dict:
             "errors": {"dense": dense["errors"], "lychee": lychee["errors"]}}
 
 
+def tpot_ratios(dense: dict, sparse: dict) -> dict:
+    return {ctx: round(sparse["tpot_bs1"][ctx]["tpot_ms"] / dense["tpot_bs1"][ctx]["tpot_ms"], 3)
+            for ctx in dense["tpot_bs1"] if ctx in sparse["tpot_bs1"]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"])
+    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *VARIANTS])
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 65536, 126976])
-    ap.add_argument("--workloads", nargs="*", default=["random", "random64", "shared", "shared64_c16", "shared64_c32"],
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS),
                     choices=["random", "random64", "shared", "shared64_c16", "shared64_c32"])
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=16)
@@ -156,23 +166,27 @@ def main():
         res = {**prior, **{k: res[k] for k in ("device", "sglang", "model", "server_args")}}
         calls = res["settings"].get("calls", []) + [{k: getattr(a, k) for k in ("methods", "contexts", "workloads")}]
         res["settings"] = {**res["settings"], "methods": methods, "calls": calls}
-    for name in a.methods:
-        method, cfg = ("off", None) if name == "dense" else (name, {"token_budget": a.budget})
-        def save():
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
 
+    for name in a.methods:
+        method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
         with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
             measure(srv, a, name, res.setdefault(name, {}), save)
+        save()
+    for name in (n for n in VARIANTS if n != "lychee" and n in res and "dense" in res):
+        res[f"{name}_over_dense"] = {"tpot_bs1": tpot_ratios(res["dense"], res[name]),
+                                     **{w: ratios(res["dense"][w], res[name][w]) for w in res[name] if w in WORKLOADS
+                                        and w in res["dense"]}}
+        print(json.dumps({name: res[f"{name}_over_dense"]}))
         save()
     if "dense" in res and "lychee" in res:
         d, s = res["dense"], res["lychee"]
         res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
         same = sum(x == y for x, y in zip(d["greedy_past_budget"], s["greedy_past_budget"]))
         res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
-        res["tpot_ratio_lychee_over_dense"] = {
-            ctx: round(s["tpot_bs1"][ctx]["tpot_ms"] / d["tpot_bs1"][ctx]["tpot_ms"], 3)
-            for ctx in d["tpot_bs1"] if ctx in s["tpot_bs1"]}
+        res["tpot_ratio_lychee_over_dense"] = tpot_ratios(d, s)
         for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
                        ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
             if w in d and w in s:

@@ -12,8 +12,8 @@ of retrieval heads among all sparse heads, four ways to choose them, each readin
 - layer sharing (TidalDecode-like): whole layers retrieve, those whose heads lose most by reuse;
 - random, three seeds.
 Evaluated on other prompts and tasks against all-retrieval lychee at the same budget: attention-mass recall and
-output error of the chained sets. Which selections are saved is what makes hybrid heads faster; that part
-needs the kernels and is measured on the GPU.
+output error of the chained sets. ``--export`` turns one variant into a role map that the server takes
+(config key ``head_roles``, ``configs/head_roles/``); which selections it saves is measured on the GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from bench.attention_recall import capture, load, mask_metrics, own_masks, summa
 from bench.tasks import make
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.head_roles import staggered_roles, to_strings
 
 CALIBRATE = ("niah_multikey", 100)
 EVALUATE = (("passkey", 3), ("niah_single", 2), ("json_value", 1))
@@ -104,17 +105,8 @@ def layer_roles(loss: np.ndarray, first: int, count: int) -> np.ndarray:
     return roles
 
 
-def staggered_roles(shape, first: int, count: int) -> np.ndarray:
-    """No calibration: each head retrieves every ``period`` layers, heads offset from one another, so no chain of
-    reuse is longer than the period and every layer keeps some retrieval heads."""
-    roles = np.zeros(shape, dtype=bool)
-    roles[first] = True
-    L, H = shape
-    period = max(1, round((L - first) * H / max(1, count)))
-    for l in range(first + 1, L):
-        for h in range(H):
-            roles[l, h] = (l - first + h * period // H) % period == 0
-    return roles
+def staggered(shape, first: int, count: int) -> np.ndarray:
+    return np.array(staggered_roles(shape[0], shape[1], first, count), dtype=bool)
 
 
 def random_roles(shape, first: int, count: int, seed: int = 0) -> np.ndarray:
@@ -137,9 +129,22 @@ def chained_metrics(layers, masks: dict, roles: np.ndarray, budget: int, first: 
     return summarize(per)
 
 
-def role_map(roles: np.ndarray, first: int) -> list[str]:
-    """Per layer: "dense" for the dense layers, else one letter per KV head, R(etrieval) or S(parse)."""
-    return ["dense" if l < first else "".join("R" if r else "S" for r in row) for l, row in enumerate(roles)]
+def export_map(result: str, variant: str, out: str) -> None:
+    """Write one variant's roles from a result of this script as a role map file (``sgl_sparsekv.head_roles``)."""
+    from transformers import AutoConfig
+
+    res = json.loads(Path(result).read_text())
+    layers = res["roles"][variant]["map"]
+    hf = AutoConfig.from_pretrained(res["model"])
+    cal = res["calibration"]
+    made_by = (f"{variant} from `python -m bench.head_roles --model-dir {res['model']} --budget {res['budget']} "
+               f"--length {res['length']}` ({result}): training-free calibration on {cal['task']} seed {cal['seed']}, "
+               f"{cal['tokens']} tokens, {cal['queries']} decode queries")
+    Path(out).write_text(json.dumps({
+        "model": Path(res["model"]).name, "architectures": hf.architectures, "num_layers": len(layers),
+        "num_kv_heads": len(layers[-1]), "dense_layers": layers.count("dense"),
+        "retrieval_heads": res["roles"][variant]["retrieval_heads"], "of": res["roles"][variant]["of"],
+        "layers": layers, "made_by": made_by}, indent=1) + "\n")
 
 
 def main():
@@ -152,7 +157,12 @@ def main():
     ap.add_argument("--shares", type=float, nargs="+", default=[0.5, 0.25],
                     help="retrieval heads as a share of all sparse heads")
     ap.add_argument("--out", default="bench/results/head_roles_smollm2.json")
+    ap.add_argument("--export", nargs=3, metavar=("RESULT", "VARIANT", "MAP"),
+                    help="write VARIANT's roles from RESULT (this script's JSON) as the role map file MAP, and stop")
     a = ap.parse_args()
+    if a.export:
+        export_map(*a.export)
+        return
     tok, model = load(a.model_dir)
     table = BoundaryTable.from_tokenizer(tok)
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
@@ -176,12 +186,12 @@ def main():
         count = max(loss.shape[1], round(share * sparse_heads))
         for name, roles in ((f"hybrid-calibrated-{share:g}", calibrated_roles(weights, masks, first, count)),
                             (f"layer-sharing-{share:g}", layer_roles(loss, first, count)),
-                            (f"hybrid-staggered-{share:g}", staggered_roles(loss.shape, first, count)),
+                            (f"hybrid-staggered-{share:g}", staggered(loss.shape, first, count)),
                             *((f"hybrid-random-{share:g}-seed{seed}", random_roles(loss.shape, first, count, seed))
                               for seed in range(3))):
             variants[name] = roles
             res["roles"][name] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
-                                  "map": role_map(roles, first)}
+                                  "map": to_strings(roles, first)}
     for task, seed in EVALUATE:
         ids, layers, masks = run(task, seed, a.queries)
         row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(

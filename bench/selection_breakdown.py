@@ -1,7 +1,10 @@
 """Where a sparse decode layer's time goes on the GPU: coarse expansion, fine bounds, the budget cut, token-list emission
 and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
 
-    python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16]
+    python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
+
+``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
+selection and emission run for those only, the attention for all 8.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from sgl_sparsekv.kernels import select as ks
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
-def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32) -> dict:
+def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
+              retrieving: int = H) -> dict:
     c = selection_case(bs, ctx, budget, sink, recent)
     coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
@@ -26,33 +30,37 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     bnd = torch.empty(fr.shape, dtype=torch.float32, device="cuda")
     sel = torch.empty_like(bnd)
     BLOCK_P = 64
-    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
+    heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
+    R = retrieving
+    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device="cuda")
     out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * budget, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
 
     def coarse_pick():
-        ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, rem, expanded, 16.0, 1.0, q.stride(0),
-                                            q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
+        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, co, pn, rem, expanded, heads, R, 16.0, 0.25,
+                                            q.stride(0), q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D,
+                                            BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks._fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, 1.0, q.stride(0),
-                                                q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P,
-                                                BLOCK_L=32, PARTS=parts)
+        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, heads, R, 0.25,
+                                                q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
+                                                BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
 
     def cut():
-        ks._cut_kernel[(bs * H,)](bnd, ftok, fo, ln_, rem, sel, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
+        ks._cut_kernel[(bs * R,)](bnd, ftok, fo, ln_, rem, sel, heads, R, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
 
     def emit():
         return ks.emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget,
-                              dense_limit=budget, parts=parts, out=out)
+                              dense_limit=budget, parts=parts, out=out, heads=heads)
 
     def attend():
         return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
 
     coarse_pick(); fine_bounds(); cut(); emit(); attend()
-    live = int((bnd[:, :] > float("-inf")).sum()) // H
-    return {"ctx": ctx, "bs": bs, "fine_clusters": int(ln_.sum()) // bs, "live_fine_per_head": live // bs,
+    live = int((bnd[:, :R] > float("-inf")).sum()) // R
+    return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "fine_clusters": int(ln_.sum()) // bs,
+            "live_fine_per_head": live // bs,
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
                (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
                 ("attend", attend))}}
@@ -63,14 +71,14 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--retrieving", type=int, nargs="+", default=[H], help="retrieval KV heads per layer (of 8)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx in a.contexts:
-        for bs in a.batches:
-            res["rows"].append(breakdown(bs, ctx))
-            print(json.dumps(res["rows"][-1]), flush=True)
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+    for ctx, bs, r in ((c, b, r) for c in a.contexts for b in a.batches for r in a.retrieving):
+        res["rows"].append(breakdown(bs, ctx, retrieving=r))
+        print(json.dumps(res["rows"][-1]), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

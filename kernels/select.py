@@ -19,6 +19,10 @@ cost grows with the clusters, not with their square.
 ``emit_tokens`` then writes each (request, KV head)'s KV slots: the sink, the selected chunks' tokens
 outside the recent window, and the recent window, into a fixed window of ``cap`` entries. Requests
 whose length is within ``dense_limit`` get all their tokens (they decode densely, like the reference).
+
+Every kernel runs over (request, retrieval KV head) pairs: ``heads`` lists the KV heads that select their own
+tokens in this layer (all by default). With hybrid heads (``sgl_sparsekv.head_roles``) the other heads' rows of
+``sel`` and their token lists are left untouched, so a sparse head keeps the list of the layer before.
 """
 
 from __future__ import annotations
@@ -29,6 +33,13 @@ import triton.language as tl
 
 NEG = tl.constexpr(float("-inf"))
 CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (~190K tokens) is cut in registers
+
+
+@triton.jit
+def _program_head(pid, Heads, R):
+    """A program's (request, KV head): programs run over (request, retrieval head) pairs, the heads of the layer
+    that select their own tokens (all of them unless hybrid heads are on)."""
+    return pid // R, tl.load(Heads + pid % R).to(tl.int64)
 
 
 @triton.jit
@@ -45,15 +56,14 @@ def _bounds(Qg, stride_qh, mu, r, rw, offs_d, dmask, G: tl.constexpr):
 
 
 @triton.jit
-def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, rw, stride_qb, stride_qh,
+def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
                           stride_cm,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_P: tl.constexpr):
-    """Per (request, KV head): which coarse units are expanded (P <= BLOCK_P), by counting for each unit the
-    tokens of the units ranked before it."""
+    """Per (request, retrieval KV head): which coarse units are expanded (P <= BLOCK_P), by counting for each unit
+    the tokens of the units ranked before it."""
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    h = pid % H
+    b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     budget = tl.load(Budget + b).to(tl.float32)
@@ -74,15 +84,14 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, expand, rw
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, rw, stride_qb, stride_qh, stride_fm,
+def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, Heads, R, rw, stride_qb, stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others); PARTS programs per
-    (request, KV head) split the clusters."""
+    (request, retrieval KV head) split the clusters."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b = pid // H
-    h = pid % H
+    b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     fo = tl.load(Fo + b).to(tl.int64)
@@ -150,14 +159,13 @@ def _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, H: tl.constexpr, BLOCK: tl.constexpr):
+def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
     program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory."""
     pid = tl.program_id(0).to(tl.int64)
-    b = pid // H
-    h = pid % H
+    b, h = _program_head(pid, Heads, R)
     budget = tl.load(Budget + b).to(tl.float32)
     fo = tl.load(Fo + b).to(tl.int64)
     L = tl.load(Ln + b)
@@ -201,10 +209,15 @@ def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, H: tl.constexpr, BLOCK: tl.const
             above += tl.sum(tl.where(tie, tok, 0.0), 0)
 
 
+def all_heads(H: int, device) -> torch.Tensor:
+    return torch.arange(H, dtype=torch.int32, device=device)
+
+
 def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
-                radius_weight: float = 1.0):
-    """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows; other rows are untouched.
+                radius_weight: float = 1.0, heads: torch.Tensor | None = None):
+    """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows and the KV heads ``heads`` (int32, default all);
+    other rows and heads are untouched.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
     co/pn/fo/ln/budget: [bs] int32 per batch row. ``out`` = (bounds, sel), both [F, H] float32; ``parts``
@@ -221,23 +234,24 @@ def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coar
     BLOCK_D = triton.next_power_of_2(D)
     bnd, sel = out if out is not None else (torch.empty(fr.shape, dtype=torch.float32, device=q.device),
                                             torch.empty(fr.shape, dtype=torch.float32, device=q.device))
-    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device=q.device)
-    _coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, budget, expanded, float(expand),
+    heads = all_heads(H, q.device) if heads is None else heads
+    R = heads.numel()
+    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
+    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, co, pn, budget, expanded, heads, R, float(expand),
                                      float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
                                      BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
-    _fine_bounds_kernel[(bs * H, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, float(radius_weight),
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, heads, R, float(radius_weight),
                                          q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D,
                                          BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
-    _cut_kernel[(bs * H,)](bnd, ftok, fo, ln, budget, sel, H=H, BLOCK=cut_block, num_warps=8)
+    _cut_kernel[(bs * R,)](bnd, ftok, fo, ln, budget, sel, heads, R, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
 
 @triton.jit
-def _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H: tl.constexpr):
+def _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink, recent):
     """A list's request: (b, h, fine offset, chunk offset, chunks to scan, length, sink end, recent start).
     A request within ``dense_limit`` scans no chunk: its sink is the whole sequence."""
-    b = pid // H
-    h = pid % H
+    b, h = _program_head(pid, Heads, R)
     S = tl.load(SeqLen + b)
     dense = S <= dense_limit
     n_sink = tl.where(dense, S, tl.minimum(sink, S))
@@ -258,11 +272,12 @@ def _chunk_counts(Sel, CFine, CStart, CLen, fo, ko, offs, mm, h, n_sink, rec_sta
 
 
 @triton.jit
-def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, dense_limit, sink, recent,
+def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
                        H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H)
+    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink,
+                                                          recent)
     total = 0
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
@@ -272,18 +287,20 @@ def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, den
 
 
 @triton.jit
-def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken, Counts, Out, Lens,
+def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
                        stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, MAXLEN: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, dense_limit, sink, recent, H)
+    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink,
+                                                          recent)
     row = tl.load(Rows + b).to(tl.int64)
     offs_parts = tl.arange(0, PARTS)
     counts = tl.load(Counts + pid * PARTS + offs_parts)
     n = n_sink + tl.sum(tl.where(offs_parts < part, counts, 0), 0)
     n_chunks = tl.sum(counts, 0)
-    base = pid * CAP
+    lst = b * H + h   # the list's place in Out and Lens; a sparse head's place keeps its parent layer's list
+    base = lst * CAP
     src = ReqToToken + row * stride_rt
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
@@ -305,12 +322,13 @@ def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqTo
             dst = n_tail + pos - rec_start
             m = (pos < S) & (dst < CAP)
             tl.store(Out + base + dst, tl.load(src + pos, mask=m, other=0), mask=m)
-        tl.store(Lens + pid, tl.minimum(n_tail + S - rec_start, CAP))
+        tl.store(Lens + lst, tl.minimum(n_tail + S - rec_start, CAP))
 
 
 def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
-                dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None):
+                dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None, heads: torch.Tensor | None = None):
     """-> (lens [bs*H] int32, windows [bs*H*cap] int32): list ``i`` is ``windows[i*cap : i*cap + lens[i]]``.
+    Only the lists of the KV heads ``heads`` (int32, default all) are written; the others keep what they held.
 
     chunks = (fine [K,H] int32 local fine index, start [K] int32, length [K] int32 <= max_chunk); rows: request
     pool rows. Each list holds at most ``cap`` slots (sized by the caller from the budget). A request with at
@@ -323,10 +341,12 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
                torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device),
                torch.empty(bs * H * parts, dtype=torch.int32, device=sel.device))
     lens, windows, counts = out
-    _emit_count_kernel[(bs * H, parts)](sel, cfine, cstart, clen, fo, ko, mn, seq_lens, counts, dense_limit, sink,
-                                        recent, H=H, BLOCK_M=64, PARTS=parts)
-    _emit_write_kernel[(bs * H, parts)](sel, cfine, cstart, clen, fo, ko, mn, rows, seq_lens, req_to_token, counts,
-                                        windows, lens, req_to_token.stride(0), dense_limit, sink, recent, H=H,
+    heads = all_heads(H, sel.device) if heads is None else heads
+    R = heads.numel()
+    _emit_count_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, seq_lens, counts, heads, R,
+                                        dense_limit, sink, recent, H=H, BLOCK_M=64, PARTS=parts)
+    _emit_write_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, rows, seq_lens, req_to_token, counts,
+                                        windows, lens, heads, R, req_to_token.stride(0), dense_limit, sink, recent, H=H,
                                         CAP=cap, BLOCK_M=64, BLOCK_T=64, MAXLEN=triton.next_power_of_2(max_chunk),
                                         PARTS=parts)
     return lens, windows
@@ -334,7 +354,7 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
 
 def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
-                    radius_weight: float = 1.0):
+                    radius_weight: float = 1.0, heads: torch.Tensor | None = None):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's pool rows. A node is live
     where its radius is finite, as the kernels read it."""
     from sgl_sparsekv.index import ClusterIndex
@@ -345,19 +365,21 @@ def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_
     bs, Hq, D = q.shape
     H = cmu.shape[1]
     sel = out[1] if out is not None else torch.empty(fr.shape, dtype=torch.float32, device=q.device)
+    hs = slice(None) if heads is None else heads.long()
     for b, (c0, P, f0, L, B) in enumerate(zip(*(t.tolist() for t in (co, pn, fo, ln, budget)))):
         c, f = slice(c0, c0 + P), slice(f0, f0 + L)
         view = ClusterIndex(fine_mu=fmu[f].transpose(0, 1).float(), fine_r=fr[f].T, fine_n=(fr[f].T > float("-inf")).float(),
                             fine_tokens=ftok[f].T, fine_parent=fpar[f].T.long(), coarse_mu=cmu[c].transpose(0, 1).float(),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
                             chunk_fine=fpar[f0:f0].T)
-        sel[f] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
-                                 radius_weight).T.float()
+        sel[f, hs] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
+                                     radius_weight).T.float()[:, hs]
     return sel
 
 
 def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
-                    dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None):
+                    dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None,
+                    heads: torch.Tensor | None = None):
     """Torch twin of :func:`emit_tokens`: sink, the selected chunks' tokens outside the recent window, recent."""
     cfine, cstart, clen = chunks
     bs, H = rows.shape[0], sel.shape[1]
@@ -376,7 +398,7 @@ def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink:
         st = cstart[k0:k0 + M].long()
         en = torch.clamp(st + clen[k0:k0 + M].long(), max=rec)
         st = torch.clamp(st, min=n_sink)
-        for h in range(H):
+        for h in (range(H) if heads is None else heads.tolist()):
             take = sel[f0 + cfine[k0:k0 + M, h].long(), h] > 0
             mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
             lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]

@@ -5,6 +5,7 @@ Each failure is a ConfigError with one line naming the flag or the model propert
 
 from __future__ import annotations
 
+from sgl_sparsekv import head_roles
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 
 SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -88,6 +89,9 @@ def check_model(hf, cfg: SparseKVConfig) -> None:
     if layers is not None and cfg.dense_layers >= layers:
         raise ConfigError(f"sparse-kv config: dense_layers ({cfg.dense_layers}) must be < the model's "
                           f"{layers} layers, or no layer is sparse")
+    kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if cfg.method == "lychee" and layers is not None and kv_heads is not None:
+        head_roles.resolve(cfg.head_roles, layers, kv_heads, cfg.dense_layers)
 
 
 def check_runner(runner, cfg: SparseKVConfig) -> None:

@@ -3,7 +3,10 @@
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
 writes every batch row's pool ranges into fixed ``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
-shapes fixed by the captured batch size, every list at most ``token_budget`` slots. A request past its
+shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With hybrid heads
+(config ``head_roles``) a layer selects and emits only for its retrieval heads; a sparse head's list is the one
+its KV head used in the layer before, left in place in ``windows``, and a layer without retrieval heads launches
+no selection at all. A request past its
 budget whose index found no room in the pools is flagged ``direct``: the attention kernel reads its
 whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``). The same steps
 run on the CPU with the kernels' torch twins (``manager.use_kernels`` off).
@@ -15,7 +18,8 @@ import time
 
 import torch
 
-from sgl_sparsekv.kernels.select import emit_tokens, emit_tokens_ref, select_fine, select_fine_ref
+from sgl_sparsekv import head_roles
+from sgl_sparsekv.kernels.select import all_heads, emit_tokens, emit_tokens_ref, select_fine, select_fine_ref
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager
 from sgl_sparsekv.transfer import to_device
@@ -49,6 +53,11 @@ class PooledDecode:
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
         self.select, self.emit = ops
+        roles = head_roles.resolve(cfg.head_roles, manager.num_layers, H, cfg.dense_layers)
+        every = all_heads(H, dev)
+        # per sparse layer: its retrieval KV heads (int32), None where it has none
+        self.layer_heads = [every] * pools.layers if roles is None else [
+            torch.tensor(r, dtype=torch.int32, device=dev) if r else None for r in roles]
 
     def fill_idle(self, bs: int) -> None:
         """Safe contents for capture: every row a one-token dense request on request row 0."""
@@ -83,17 +92,20 @@ class PooledDecode:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
         bs = q.shape[0]
         cfg, n = self.cfg, bs * self.H
-        coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
         r = slice(0, bs)
-        # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
-        qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
-        sel = self.select(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
-                          cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel),
-                          radius_weight=cfg.radius_weight)
-        lens, windows = self.emit(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r],
-                                    req_to_token, cfg.sink_tokens, cfg.recent_window, self.cap,
-                                    dense_limit=cfg.token_budget, max_chunk=cfg.chunk_max, parts=self.parts,
-                                    out=(self.lens[:n], self.windows[:n * self.cap], self.counts[:n * self.parts]))
+        lens, windows = self.lens[:n], self.windows[:n * self.cap]
+        heads = self.layer_heads[sparse_layer]
+        if heads is not None:
+            coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
+            # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
+            qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
+            sel = self.select(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
+                              cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel),
+                              radius_weight=cfg.radius_weight, heads=heads)
+            self.emit(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r], req_to_token,
+                      cfg.sink_tokens, cfg.recent_window, self.cap, dense_limit=cfg.token_budget,
+                      max_chunk=cfg.chunk_max, parts=self.parts, heads=heads,
+                      out=(lens, windows, self.counts[:n * self.parts]))
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts[:n], windows, scale, lens=lens,

@@ -54,13 +54,16 @@ class SparseKVConfig:
     # GPU index pools hold indexes over this many times the KV slots (requests sharing a prefix
     # share its KV but each holds its own index); charged to SGLang's memory plan per KV slot.
     index_pool_scale: float = 2.0
+    # Hybrid heads (LycheeDecode): "all-retrieval", "staggered-<share>", or a role map (sgl_sparsekv/head_roles.py)
+    # naming the KV heads that select their own tokens; the others reuse the previous layer's selection.
+    head_roles: str = "all-retrieval"
     # --- quest ---
     page_size: int = 16
 
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale"),
+                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles"),
         "quest": ("page_size",),
     }
 
@@ -102,6 +105,10 @@ class SparseKVConfig:
             raise ConfigError(f"sparse-kv config: key 'coarse_expand' must be >= 1, got {self.coarse_expand}")
         if not 0 <= self.radius_weight <= 1:
             raise ConfigError(f"sparse-kv config: key 'radius_weight' must be in [0, 1], got {self.radius_weight}")
+        if self.method == "lychee":
+            from sgl_sparsekv import head_roles
+
+            head_roles.validate(self.head_roles)
         if self.enabled:
             # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
             # leave room for at least one retrieved unit beside the sink and the window.

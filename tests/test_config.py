@@ -140,6 +140,8 @@ def test_cli_flags_parse_and_fail_fast(smollm2_dir):
         (["--sparse-kv", "lychee", "--sparse-kv-config", '{"chunk_max": 4}'], "chunk_min (8) > chunk_max (4)"),
         (["--sparse-kv", "quest", "--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
         (["--sparse-kv", "sparse"], "invalid choice: 'sparse'"),
+        (["--sparse-kv", "lychee", "--sparse-kv-config", '{"head_roles": "qwen2.5-coder-0.5b-calibrated-0.25"}'],
+         "(made for qwen2.5-coder-0.5b: 24 layers, 2 KV heads, 2 dense) does not fit this model (30 layers"),
     ]:
         bad = _launch(*base, *extra)
         assert bad.returncode != 0

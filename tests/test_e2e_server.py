@@ -97,11 +97,19 @@ def test_off_is_plain_sglang(reference):
     assert len(reference["fork_answers"]) == 3
 
 
-@pytest.fixture(scope="module", params=["lychee", "quest"])
+# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve)
+SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
+          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5"})}
+
+
+@pytest.fixture(scope="module", params=list(SPARSE))
 def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
-    method = request.param
-    with Server(smollm2_dir, method, BUDGET, extra=["--max-total-tokens", "65536", "--enable-metrics"]) as srv:
-        yield method, srv, run_suite(srv, smollm2_tokenizer)
+    method, extra_cfg = SPARSE[request.param]
+    with Server(smollm2_dir, method, {**BUDGET, **extra_cfg},
+                extra=["--max-total-tokens", "65536", "--enable-metrics"]) as srv:
+        out = run_suite(srv, smollm2_tokenizer)
+        out["head_roles"] = extra_cfg.get("head_roles", "all-retrieval")
+        yield method, srv, out
 
 
 def test_config_reached_scheduler(sparse):
@@ -109,6 +117,8 @@ def test_config_reached_scheduler(sparse):
     state = out["state"]
     assert state["sparse_kv"] == method
     assert state["sparse_kv_config"]["token_budget"] == 256 and state["sparse_kv_config"]["method"] == method
+    if method == "lychee":
+        assert state["sparse_kv_config"]["head_roles"] == out["head_roles"]
     assert "sparse_kv_stats" in state
 
 

@@ -1,10 +1,17 @@
-"""bench/head_roles.py: role choices and chained reuse on synthetic attention (brute force, no model)."""
+"""Hybrid heads: role maps and their checks (sgl_sparsekv/head_roles.py), and bench/head_roles.py's role choices
+and chained reuse on synthetic attention (brute force, no model)."""
+
+import json
 
 import numpy as np
+import pytest
 import torch
 
 from bench.attention_recall import mask_metrics, summarize
-from bench.head_roles import attention_weights, calibrated_roles, chained_metrics, greedy_roles, staggered_roles
+from bench.head_roles import attention_weights, calibrated_roles, chained_metrics, greedy_roles
+from sgl_sparsekv import head_roles
+from sgl_sparsekv.config import ConfigError, SparseKVConfig
+from sgl_sparsekv.patches.checks import check_model
 
 L, FIRST, H, G, D, T, QUERIES = 8, 2, 3, 2, 16, 60, (56, 57, 58, 59)
 
@@ -28,7 +35,7 @@ def test_greedy_roles_extremes_and_bisected_count():
 
 
 def test_staggered_roles_bound_every_chain():
-    roles = staggered_roles((L, H), FIRST, 8)
+    roles = np.array(head_roles.staggered_roles(L, H, FIRST, 8))
     period = round((L - FIRST) * H / 8)
     for h in range(H):
         at = np.flatnonzero(roles[:, h])
@@ -47,3 +54,47 @@ def test_chained_metrics_follow_the_parent():
     inherited = summarize({(l, t): mask_metrics(layers[l], t, masks[(FIRST, t)], 8)
                            for l in range(FIRST, L) for t in QUERIES})
     assert chained_metrics(layers, masks, first_only, 8, FIRST)["mass_recall"] == inherited["mass_recall"]
+
+
+SHAPES = {"qwen2.5-coder-0.5b": (24, 2), "smollm2": (30, 3)}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in head_roles.SHIPPED.glob("*.json")))
+def test_shipped_maps_fit_their_models(name):
+    data = head_roles.load_map(name)
+    layers, kv = SHAPES[data["model"]]
+    roles = head_roles.resolve(name, layers, kv, 2)
+    assert len(roles) == layers - 2 and roles[0] == list(range(kv))
+    assert sum(map(len, roles)) == data["retrieval_heads"] < data["of"] == (layers - 2) * kv
+    cfg = SparseKVConfig.from_method("lychee", {"head_roles": name})
+    other = next(m for m in SHAPES if m != data["model"])
+    hf = type("HF", (), {"num_hidden_layers": SHAPES[other][0], "num_key_value_heads": SHAPES[other][1]})()
+    with pytest.raises(ConfigError, match=f"head_roles: '{name}' \\(made for {data['model']}: {layers} layers"):
+        check_model(hf, cfg)
+
+
+def test_staggered_resolves_for_any_model():
+    roles = head_roles.resolve("staggered-0.25", 32, 8, 2)
+    assert roles[0] == list(range(8)) and len(roles) == 30
+    assert abs(sum(map(len, roles)) - 0.25 * 240) <= 8
+    assert head_roles.resolve("all-retrieval", 32, 8, 2) is None
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("staggered-0", "share must be in"), ("staggered-1.5", "share must be in"),
+    ("no-such-map", "is not 'all-retrieval'"), ("{layers}", "is not 'all-retrieval'"),
+    ('{"layers": ["dense", "RX"]}', "one R/S letter"), ('{"layers": ["dense", "RS"]}', "must be all R"),
+    ('{"layers": ["RR", "dense"]}', "dense layers must come first"), ('{"layers": ["dense", "RR", "R"]}', "one R/S"),
+    ("not json", "not valid JSON"), ('{"roles": []}', "needs a 'layers' list")])
+def test_bad_head_roles_are_one_line_errors(tmp_path, value, msg):
+    if value.startswith("{") and value != "{layers}" or value == "not json":
+        (tmp_path / "m.json").write_text(value)
+        value = str(tmp_path / "m.json")
+    with pytest.raises(ConfigError, match=msg) as e:
+        SparseKVConfig.from_method("lychee", {"head_roles": value})
+    assert "\n" not in str(e.value)
+
+
+def test_head_roles_is_lychee_only():
+    with pytest.raises(ConfigError, match="applies to --sparse-kv lychee"):
+        SparseKVConfig.from_method("quest", {"head_roles": "staggered-0.5"})

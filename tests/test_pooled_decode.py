@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from sgl_sparsekv import head_roles
 from sgl_sparsekv.attend import sparse_decode
 from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
@@ -87,8 +88,9 @@ class TwinWorld(World):
     """World whose lychee decode steps are checked against the algorithm's spec (``select.select_chunks`` on
     the request's index as the pools hold it, after this step's grafts)."""
 
-    def __init__(self, seed):
-        super().__init__("lychee", seed)
+    def __init__(self, seed, overrides=None):
+        super().__init__("lychee", seed, overrides)
+        self.roles = head_roles.resolve(self.cfg.head_roles, LAYERS, H, self.cfg.dense_layers)
         self.pooled, self.decoder = self.manager, PooledDecode(self.manager, max_bs=8, q_heads=H * G, parts=2)
         self.qgen = torch.Generator().manual_seed(seed + 1)
         self.lists_checked = 0
@@ -133,12 +135,17 @@ class TwinWorld(World):
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
         cap, scale = self.cfg.token_budget, D ** -0.5
+        inherited = {}   # hybrid heads: each request's masks as the last retrieval head of each KV head left them
         for l in range(self.cfg.dense_layers, LAYERS):
             q = torch.randn(padded, H * G, D, generator=self.qgen)
             sl = l - self.cfg.dense_layers
             out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, scale)
+            retrieving = range(H) if self.roles is None else self.roles[sl]
             for i, (row, S) in enumerate(zip(rows, seqs)):
-                mask = self.spec_mask(row, S, sl, q[i])
+                own = self.spec_mask(row, S, sl, q[i])
+                mask = inherited.setdefault(row, own.clone())
+                for h in retrieving:
+                    mask[h] = own[h]
                 for h in range(H):
                     j = i * H + h
                     got = self.decoder.windows[j * cap:j * cap + int(self.decoder.lens[j])].tolist()
@@ -174,6 +181,21 @@ def test_pooled_decode_equals_spec_under_radix_history(seed):
         w.finish(req, abort=False)
     w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, [])
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+
+
+def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
+    """A role map with a layer of no retrieval head: every sparse head attends to the list its KV head had in the
+    layer before (chained), the same spec check as above; a layer without retrieval heads selects nothing."""
+    path = tmp_path / "roles.json"
+    path.write_text('{"layers": ["dense", "RR", "SR", "SS"]}')
+    w = TwinWorld(0, {"head_roles": str(path)})
+    assert w.roles == [[0, 1], [1], []] and w.decoder.layer_heads[2] is None
+    w.rng = random.Random(0)
+    for _ in range(3):
+        w.start()
+    for _ in range(12):
+        w.decode_batch(list(w.live))
+    assert w.pooled.stats["grafts"] > 0 and w.lists_checked > 100
 
 
 @pytest.mark.gpu

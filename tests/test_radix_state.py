@@ -38,9 +38,10 @@ def synthetic_table():
 class World:
     """SGLang's ReqToTokenPool, token allocator and RadixCache, with a fake model writing keys."""
 
-    def __init__(self, method, seed):
+    def __init__(self, method, seed, overrides=None):
         self.rng = random.Random(seed)
-        cfg = SparseKVConfig.from_method(method, {"token_budget": 128, "dense_layers": 1, "recent_window": 32})
+        cfg = SparseKVConfig.from_method(method, {"token_budget": 128, "dense_layers": 1, "recent_window": 32,
+                                                  **(overrides or {})})
         self.cfg = cfg
         self.manager = SparseKVManager(cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table())
         self.req_pool = ReqToTokenPool(size=8, max_context_len=1024, device="cpu", enable_memory_saver=False)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparsekv.index import build_index, upper_bound
-from sgl_sparsekv.kernels.select import emit_tokens, pack, select_fine
+from sgl_sparsekv.kernels.select import emit_tokens, emit_tokens_ref, pack, select_fine, select_fine_ref
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,11 +93,12 @@ def test_emit_matches_reference_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut_block,rw", [(4096, 1.0), (512, 1.0), (4096, 0.25)])
-def test_select_and_emit_real_shapes(cut_block, rw):
+@pytest.mark.parametrize("cut_block,rw,heads", [(4096, 1.0, None), (512, 1.0, None), (4096, 0.25, None),
+                                                (4096, 0.25, [1, 4, 7])])
+def test_select_and_emit_real_shapes(cut_block, rw, heads):
     """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
     512 takes the cut's pass over memory (requests past 4096 fine clusters, about 100K tokens); ``rw`` is the
-    radius weight of the ranking."""
+    radius weight of the ranking; ``heads``: only these retrieve (hybrid heads), the others' rows stay as they were."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
@@ -105,66 +106,66 @@ def test_select_and_emit_real_shapes(cut_block, rw):
     coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block, radius_weight=rw)
+    hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
+    out = (torch.empty(fine[1].shape, device=DEV), torch.full(fine[1].shape, 7.0, device=DEV))
+    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block, radius_weight=rw,
+                      out=out, heads=hs)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
     rows = torch.arange(bs, dtype=torch.int32, device=DEV)
+    lists = (torch.full((bs * H,), -1, dtype=torch.int32, device=DEV),
+             torch.full((bs * H * budget,), -1, dtype=torch.int32, device=DEV),
+             torch.empty(bs * H * 8, dtype=torch.int32, device=DEV))
     lens_out, windows = emit_tokens(sel, chunk_pool, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink,
-                                    recent, budget)
+                                    recent, budget, out=lists, heads=hs)
     sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
         ref = select_clusters(ix, q[b].view(H, G, D).float(), budget - sink - recent, 16.0, "max", rw)
-        assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
         for h in range(H):
+            got_sel = sel[int(fo[b]):int(fo[b]) + int(ln[b]), h]
             i = b * H + h
+            if heads is not None and h not in heads:
+                assert (got_sel == 7.0).all() and int(lens_out[i]) == -1, (b, h)
+                assert (windows[i * budget:(i + 1) * budget] == -1).all(), (b, h)
+                continue
+            assert torch.equal(got_sel > 0, ref[h]), (b, h)
             got = windows[i * budget:i * budget + int(lens_out[i])]
             assert sorted(got.tolist()) == sorted(req_to_token[b, :S][mask[h]].tolist())
 
 
-def test_emit_dense_requests_get_every_token():
-    """Rows within ``dense_limit`` attend to all their tokens, whatever the index says."""
+@pytest.mark.parametrize("ops", [(select_fine, emit_tokens), (select_fine_ref, emit_tokens_ref)])
+def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
+    """Hybrid heads: selection and emission for a subset of KV heads equal the all-heads run on those heads and
+    leave every other head's selection and list as they were (kernels and their twins alike)."""
+    select, emit = ops
     gen = torch.Generator().manual_seed(9)
-    bs, H, G, D = 2, 2, 1, 64
-    indexes, starts, lens, q = make_batch(bs, H, G, D, [10, 12], gen)
+    bs, H, G, D = 2, 3, 2, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [70, 40], gen)
     coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor([40, 40], dtype=torch.int32, device=DEV),
-                      16.0)
-    seq = torch.tensor([100, 150], dtype=torch.int32, device=DEV)
-    req_to_token = (torch.arange(2 * 200, dtype=torch.int32).view(2, 200) + 7).to(DEV)
-    rows = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-    cap = 128
-    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, 4, 16, cap, dense_limit=cap)
-    lens_out, windows = lens_out.cpu(), windows.cpu()
-    assert lens_out.view(bs, H)[0].tolist() == [100, 100]                   # dense: everything
-    assert (lens_out.view(bs, H)[1] <= cap).all()                           # sparse: within the cap
-    assert windows[:100].tolist() == list(range(7, 107))
+    cap, sink, recent = 200, 16, 64
+    seq = torch.tensor([int(s[-1] + l[-1]) + 10 for s, l in zip(starts, lens)], dtype=torch.int32, device=DEV)
+    r2t = (torch.arange(3 * 2048, dtype=torch.int32).view(3, 2048) + 1).to(DEV)
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    rem = torch.tensor([cap - sink - recent] * bs, dtype=torch.int32, device=DEV)
 
+    def run(heads, fill):
+        out = (torch.empty(fine[1].shape, device=DEV), torch.full(fine[1].shape, fill, device=DEV))
+        hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
+        sel = select(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 4.0, parts=2, out=out, heads=hs)
+        lists = (torch.full((bs * H,), int(fill), dtype=torch.int32, device=DEV),
+                 torch.full((bs * H * cap,), int(fill), dtype=torch.int32, device=DEV),
+                 torch.empty(bs * H * 2, dtype=torch.int32, device=DEV))
+        lens_out, windows = emit(sel, chunks, fo, ko, mn, rows, seq, r2t, sink, recent, cap, parts=2, out=lists,
+                                 heads=hs)
+        return sel.cpu().T, lens_out.cpu().view(bs, H), windows.cpu().view(bs, H, cap)
 
-def test_twins_equal_kernels_on_bf16_pools():
-    """select_fine_ref / emit_tokens_ref (the CPU path) equal the kernels on pools with bf16 centroids."""
-    from sgl_sparsekv.index import CENTROID_DTYPE
-    from sgl_sparsekv.kernels.select import emit_tokens_ref, select_fine_ref
-
-    gen = torch.Generator().manual_seed(11)
-    bs, H, G, D = 3, 2, 4, 64
-    indexes, starts, lens, q = make_batch(bs, H, G, D, [70, 20, 130], gen)
-    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
-    coarse = (coarse[0].to(CENTROID_DTYPE), *coarse[1:])
-    fine = (fine[0].to(CENTROID_DTYPE), *fine[1:])
-    rem = torch.tensor([200, 90, 500], dtype=torch.int32, device=DEV)
-    seq = torch.tensor([int(s[-1] + l[-1]) + 20 for s, l in zip(starts, lens)], dtype=torch.int32, device=DEV)
-    seq[1] = 100   # within the dense limit: every token
-    req_to_token = (torch.randperm(4 * 4096, generator=gen).view(4, 4096).to(torch.int32) + 1).to(DEV)
-    rows = torch.tensor([3, 0, 2], dtype=torch.int32, device=DEV)
-    got, want = [], []
-    for select, emit, res in ((select_fine, emit_tokens, got), (select_fine_ref, emit_tokens_ref, want)):
-        sel = select(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, parts=2)
-        lens_out, windows = emit(sel, chunks, fo, ko, mn, rows, seq, req_to_token, 16, 64, 400, dense_limit=300)
-        res += [sel.cpu(), lens_out.cpu(), windows.cpu()]
-    rows_used = torch.cat([torch.arange(int(f), int(f) + int(n)) for f, n in zip(fo, ln)])
-    assert torch.equal(got[0][rows_used], want[0][rows_used])
-    assert torch.equal(got[1], want[1]) and int(got[1].view(bs, H)[1, 0]) == 100
-    for i, n in enumerate(got[1].tolist()):
-        assert torch.equal(got[2][i * 400:i * 400 + n], want[2][i * 400:i * 400 + n]), i
+    (sel_all, lens_all, win_all), (sel, lens_part, win_part) = run(None, 0.0), run([2, 0], -3.0)
+    mine = [0, 2]
+    assert torch.equal(sel[mine], sel_all[mine]) and torch.equal(lens_part[:, mine], lens_all[:, mine])
+    for b in range(bs):
+        for h in mine:
+            n = int(lens_all[b, h])
+            assert n > sink + recent and torch.equal(win_part[b, h, :n], win_all[b, h, :n]), (b, h)
+    assert (sel[1] == -3.0).all() and (lens_part[:, 1] == -3).all() and (win_part[:, 1] == -3).all()
