@@ -27,8 +27,11 @@ import re
 from pathlib import Path
 
 ALL = "all-retrieval"
-# configs/ is installed as the package sgl_sparsekv.configs (pyproject's package-dir), editable or not
-SHIPPED = Path(importlib.util.find_spec("sgl_sparsekv.configs").submodule_search_locations[0]) / "head_roles"
+# configs/ is installed as the package sgl_sparsekv.configs (pyproject's package-dir); a checkout run without
+# installing finds it beside the package
+_CONFIGS = importlib.util.find_spec("sgl_sparsekv.configs")
+SHIPPED = (Path(_CONFIGS.submodule_search_locations[0]) if _CONFIGS else
+           Path(__file__).resolve().parent.parent / "configs") / "head_roles"
 _STAGGERED = re.compile(r"staggered-(\d*\.?\d+)$")
 
 
