@@ -57,6 +57,9 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     def attend():
         return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
 
+    # the layer before, where every head retrieved: the lists that sparse heads keep
+    ks.emit_tokens(ks.select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, parts=parts, out=(bnd, sel)), chunks,
+                   fo, ko, mn, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget, parts=parts, out=out)
     coarse_pick(); fine_bounds(); cut(); emit(); attend()
     live = int((bnd[:, :R] > float("-inf")).sum()) // R
     return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "fine_clusters": int(ln_.sum()) // bs,
