@@ -110,14 +110,17 @@ def selection_case(bs, ctx, budget, sink=16, recent=64) -> dict:
         starts.append(torch.cumsum(ln, 0) - ln + sink)
         lens.append(ln)
     coarse, fine, chunks, ranges = pack(indexes, starts, lens, "cuda")
+    seq = [int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)]
+    # random chunk lengths sum past ctx at times: rows as long as the longest sequence, or emission reads past them
+    width = max(seq)
     return dict(
         coarse=coarse, fine=fine, chunks=chunks, ranges=ranges,
         q=torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16),
         rem=torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda"),
-        seq=torch.tensor([int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)], dtype=torch.int32, device="cuda"),
-        req_to_token=torch.arange(bs * (ctx + 64), dtype=torch.int32, device="cuda").view(bs, -1),
+        seq=torch.tensor(seq, dtype=torch.int32, device="cuda"),
+        req_to_token=torch.arange(bs * width, dtype=torch.int32, device="cuda").view(bs, width),
         rows=torch.arange(bs, dtype=torch.int32, device="cuda"),
-        k=torch.randn(bs * (ctx + 64) + 1, H, D, device="cuda", dtype=torch.bfloat16),
+        k=torch.randn(bs * width + 1, H, D, device="cuda", dtype=torch.bfloat16),
         list_starts=torch.arange(bs * H, dtype=torch.int32, device="cuda") * budget,
         workspace=workspace_for(bs, H, HQ // H, D, 8, "cuda"))
 

@@ -155,6 +155,40 @@ def roles_table(path: Path) -> str:
                     ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
 
 
+def hybrid_serving_table(path: Path) -> str:
+    """Dense, lychee and hybrid-head lychee through the real server from one card (bench/gpu_serving.py)."""
+    r = json.loads(path.read_text())
+    d = r["dense"]["shared"]
+    rows = []
+    for name in r["settings"]["methods"]:
+        x = r[name]
+        w = x["shared"]
+        rows.append((name, f"{w['output_throughput']:.0f}", f"{w['output_throughput'] / d['output_throughput']:.2f}x",
+                     f"{w['median_tpot_ms']:.2f}", f"{w['median_itl_ms']:.2f}", f"{w['mean_ttft_ms'] / 1000:.2f}",
+                     w.get("host_ms_per_decode_step", "-"), f"{x['tpot_bs1']['32768']['tpot_ms']:.2f}",
+                     w["errors"]))
+    return md_table(f"Hybrid heads in serving (issue #12), {r['device']}, {r['model']}, {r['settings']['backend']}, CUDA "
+                    f"graphs on, budget {r['settings']['budget']}, commit {r['commit']}: {r['note']}; shared prefix = 32 "
+                    f"requests over two 32K prefixes at concurrency 16 (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["method", "output tok/s", "vs dense", "median TPOT ms", "median ITL ms", "mean TTFT s",
+                     "host ms per decode step", "batch-1 TPOT at 32K ms", "errors"], rows)
+
+
+def hybrid_breakdown_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    rows = []
+    for run in r["runs"]:
+        for x in run["rows"]:
+            sel = x["coarse_ms"] + x["fine_bounds_ms"] + x["cut_ms"] + x["emit_ms"]
+            rows.append((run["device"].replace("NVIDIA ", ""), x["bs"], f"{x['retrieving_heads']} of 8",
+                         *(f"{x[k]:.4f}" for k in ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")),
+                         f"{sel:.3f}", f"{x['attend_ms']:.3f}"))
+    return md_table(f"A sparse layer's GPU time with hybrid heads: {r['what']}; commit {r['commit']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["card", "batch", "retrieving heads", "coarse", "fine bounds", "cut", "emit",
+                     "selection + lists", "attention"], rows)
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -270,6 +304,8 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
+                     ("head_roles_qwen.json", roles_table), ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
+                     ("selection_breakdown_hybrid.json", hybrid_breakdown_table),
                      ("gpu_serving_h200.json", serving_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
                      ("gpu_serving_h100.json", serving_table),
