@@ -141,17 +141,37 @@ def breakdown_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def role_rows(r: dict) -> list:
+    """(roles, retrieval heads, mass recall, output error) per variant of a head-roles result."""
+    return [(name, "all" if name == "all-retrieval" else f"{r['roles'][name]['retrieval_heads']} of "
+             f"{r['roles'][name]['of']}", f"{r['mean_mass_recall'][name]:.4f}", f"{r['mean_out_rel_err'][name]:.4f}")
+            for name in r["mean_mass_recall"]]
+
+
 def roles_table(path: Path) -> str:
     r = json.loads(path.read_text())
     tasks = ", ".join(e["task"] for e in r["evaluation"])
     cal = r["calibration"]
-    rows = [(name, "all" if name == "all-retrieval" else f"{r['roles'][name]['retrieval_heads']} of "
-             f"{r['roles'][name]['of']}", f"{r['mean_mass_recall'][name]:.4f}", f"{r['mean_out_rel_err'][name]:.4f}")
-            for name in r["mean_mass_recall"]]
+    rows = role_rows(r)
     return md_table(f"Hybrid heads at the attention level (issue #12), {r['model']}, budget {r['budget']}, about "
                     f"{r['length']} tokens: sparse heads attend to their parent's set; roles calibrated on "
                     f"{cal['task']} ({cal['queries']} queries), evaluated on {tasks} ({r['queries']} queries each), "
                     f"means (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
+
+
+def hardkuma_table(path: Path) -> str:
+    """Learned (HardKuma) head roles against all-retrieval and a calibrated map (bench/hardkuma_roles.py)."""
+    r = json.loads(path.read_text())
+    t = r["training"]
+    last = t["log"][-1]
+    rows = role_rows(r)
+    cal = ", ".join(f"{c['task']} seed {c['seed']}" for c in t["calibration"])
+    return md_table(f"Learned head roles (HardKuma, issue #12), {r['model']}, budget {r['budget']}, {r['length']} tokens: "
+                    f"gates trained {t['steps']} steps on {t['device']} ({cal}; {t['calibration'][0]['decode_positions']} "
+                    f"decode positions each; final distillation loss {last['distill']}, E[L0] {last['expected_l0']} "
+                    f"for a target of {r['target_heads']}), evaluated on held-out prompts like the calibrated maps "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
 
 
@@ -304,7 +324,8 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
-                     ("head_roles_qwen.json", roles_table), ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
+                     ("head_roles_qwen.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
+                     ("hardkuma_qwen.json", hardkuma_table), ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
                      ("selection_breakdown_hybrid.json", hybrid_breakdown_table),
                      ("gpu_serving_h200.json", serving_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),

@@ -98,3 +98,25 @@ def test_bad_head_roles_are_one_line_errors(tmp_path, value, msg):
 def test_head_roles_is_lychee_only():
     with pytest.raises(ConfigError, match="applies to --sparse-kv lychee"):
         SparseKVConfig.from_method("quest", {"head_roles": "staggered-0.5"})
+
+
+def test_hardkuma_closed_form_l0_matches_sampling():
+    from bench.hardkuma_roles import hardkuma_sample, prob_nonzero
+
+    log_a = torch.tensor([[-1.0, 0.0, 1.0], [0.5, -0.5, 2.0]])
+    log_b = torch.tensor([[0.0, 1.0, -1.0], [0.3, 0.0, 0.5]])
+    gen = torch.Generator().manual_seed(0)
+    z = torch.stack([hardkuma_sample(log_a, log_b, gen) for _ in range(20000)])
+    assert z.min() == 0.0 and z.max() == 1.0 and ((z == 0) | (z == 1)).float().mean() > 0.05
+    assert torch.allclose((z > 0).float().mean(0), prob_nonzero(log_a, log_b), atol=0.015)
+
+
+def test_hardkuma_gates_carry_gradients():
+    from bench.hardkuma_roles import hardkuma_sample, prob_nonzero
+
+    log_a = torch.zeros(4, 2, requires_grad=True)
+    log_b = torch.zeros(4, 2, requires_grad=True)
+    (hardkuma_sample(log_a, log_b, torch.Generator().manual_seed(1)).sum() + prob_nonzero(log_a, log_b).sum()).backward()
+    assert log_a.grad.abs().sum() > 0 and log_b.grad.abs().sum() > 0
+    # a larger alpha pushes the Kumaraswamy mass up, so more gates open
+    assert prob_nonzero(torch.tensor(1.0), torch.tensor(0.0)) > prob_nonzero(torch.tensor(0.0), torch.tensor(0.0))
