@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from bench.attention_recall import capture, load, mask_metrics, own_masks, summarize
-from bench.head_roles import EVALUATE, chained_metrics
+from bench.attention_recall import capture, load, own_masks
+from bench.head_roles import evaluate
 from bench.tasks import make
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.chunking import BoundaryTable
@@ -181,7 +180,6 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--map", default=None, help="write the learned roles here as a role map")
     a = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tok, model = load(a.model_dir)
     for prm in model.parameters():
         prm.requires_grad_(False)
@@ -214,24 +212,7 @@ def main():
            "expected_z": np.round(got["expected_z"].numpy(), 3).tolist(),
            "roles": {v: {"retrieval_heads": int(r[first:].sum()), "of": sparse_heads,
                          "map": head_roles.to_strings(r, first)} for v, r in variants.items()},
-           "evaluation": []}
-    for task, seed in EVALUATE:
-        ids = np.asarray(tok(make(task, tok, a.length, seed).prompt).input_ids)
-        layers_qkv = capture(model, ids)
-        masks = own_masks(cfg, ids, layers_qkv, range(len(ids) - a.eval_queries, len(ids)), table)
-        row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(
-            {k: mask_metrics(layers_qkv[k[0]], k[1], m, a.budget) for k, m in masks.items()})}
-        for vname, r in variants.items():
-            row[vname] = chained_metrics(layers_qkv, masks, r, a.budget, first)
-        for v in row.values():
-            if isinstance(v, dict):
-                v.pop("per_layer", None)
-        res["evaluation"].append(row)
-        print(task, {k: round(v["mass_recall"], 4) for k, v in row.items() if isinstance(v, dict)}, flush=True)
-    names = ["all-retrieval", *variants]
-    res["mean_mass_recall"] = {n: float(np.mean([r[n]["mass_recall"] for r in res["evaluation"]])) for n in names}
-    res["mean_out_rel_err"] = {n: float(np.mean([r[n]["out_rel_err"] for r in res["evaluation"]])) for n in names}
-    print(json.dumps(res["mean_mass_recall"], indent=1))
+           **evaluate(model, tok, cfg, table, variants, a.length, a.eval_queries)}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     if a.map:
         made_by = (f"`python -m bench.hardkuma_roles --model-dir {a.model_dir} --share {a.share:g} --steps {a.steps} "

@@ -147,6 +147,36 @@ def export_map(result: str, variant: str, out: str) -> None:
         "layers": layers, "made_by": made_by}, indent=1) + "\n")
 
 
+def prompt_masks(model, tok, cfg, table, task: str, seed: int, length: int, queries: int):
+    """(ids, captured layers, lychee's own masks at the last ``queries`` positions) of one task prompt."""
+    ids = np.asarray(tok(make(task, tok, length, seed).prompt).input_ids)
+    layers = capture(model, ids)
+    return ids, layers, own_masks(cfg, ids, layers, range(len(ids) - queries, len(ids)), table)
+
+
+def evaluate(model, tok, cfg, table, variants: dict, length: int, queries: int) -> dict:
+    """Each role variant's chained metrics beside all-retrieval on the held-out prompts (``EVALUATE``) and their means:
+    {"evaluation": rows, "mean_mass_recall": ..., "mean_out_rel_err": ...}."""
+    rows = []
+    for task, seed in EVALUATE:
+        ids, layers, masks = prompt_masks(model, tok, cfg, table, task, seed, length, queries)
+        row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(
+            {k: mask_metrics(layers[k[0]], k[1], m, cfg.token_budget) for k, m in masks.items()})}
+        for name, roles in variants.items():
+            row[name] = chained_metrics(layers, masks, roles, cfg.token_budget, cfg.dense_layers)
+        rows.append(row)
+        print(task, {k: round(v["mass_recall"], 3) for k, v in row.items() if isinstance(v, dict)}, flush=True)
+    names = ["all-retrieval", *variants]
+    out = {"evaluation": rows,
+           "mean_mass_recall": {n: float(np.mean([r[n]["mass_recall"] for r in rows])) for n in names},
+           "mean_out_rel_err": {n: float(np.mean([r[n]["out_rel_err"] for r in rows])) for n in names}}
+    for r in rows:
+        for n in names:
+            r[n].pop("per_layer")
+    print(json.dumps(out["mean_mass_recall"], indent=1))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default="models/smollm2")
@@ -168,19 +198,14 @@ def main():
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
     first = cfg.dense_layers
 
-    def run(task, seed, queries):
-        ids = np.asarray(tok(make(task, tok, a.length, seed).prompt).input_ids)
-        layers = capture(model, ids)
-        return ids, layers, own_masks(cfg, ids, layers, range(len(ids) - queries, len(ids)), table)
-
-    ids, layers, masks = run(*CALIBRATE, a.calibration_queries)
+    ids, layers, masks = prompt_masks(model, tok, cfg, table, *CALIBRATE, a.length, a.calibration_queries)
     loss = reuse_loss(layers, masks, a.budget, first)
     weights = attention_weights(layers, masks, first)
     sparse_heads = (len(layers) - first) * loss.shape[1]
     res = {"model": a.model_dir, "budget": a.budget, "length": a.length, "queries": a.queries,
            "calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids), "queries": a.calibration_queries,
                            "reuse_loss": np.round(loss, 4).tolist()},
-           "evaluation": [], "roles": {}}
+           "roles": {}}
     variants = {}
     for share in a.shares:
         count = max(loss.shape[1], round(share * sparse_heads))
@@ -192,21 +217,7 @@ def main():
             variants[name] = roles
             res["roles"][name] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
                                   "map": to_strings(roles, first)}
-    for task, seed in EVALUATE:
-        ids, layers, masks = run(task, seed, a.queries)
-        row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(
-            {k: mask_metrics(layers[k[0]], k[1], m, a.budget) for k, m in masks.items()})}
-        for name, roles in variants.items():
-            row[name] = chained_metrics(layers, masks, roles, a.budget, first)
-        res["evaluation"].append(row)
-        print(task, {k: round(v["mass_recall"], 3) for k, v in row.items() if isinstance(v, dict)}, flush=True)
-    names = ["all-retrieval", *variants]
-    res["mean_mass_recall"] = {n: float(np.mean([r[n]["mass_recall"] for r in res["evaluation"]])) for n in names}
-    res["mean_out_rel_err"] = {n: float(np.mean([r[n]["out_rel_err"] for r in res["evaluation"]])) for n in names}
-    for r in res["evaluation"]:
-        for n in names:
-            r[n].pop("per_layer")
-    print(json.dumps(res["mean_mass_recall"], indent=1))
+    res.update(evaluate(model, tok, cfg, table, variants, a.length, a.queries))
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 
