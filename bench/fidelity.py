@@ -7,7 +7,8 @@
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
-0.25 by default), and lychee with one chunk per fine cluster (``fine_cluster_size`` 1).
+0.25 by default), lychee with one chunk per fine cluster (``fine_cluster_size`` 1), and hybrid heads (config
+``head_roles``) with the model's shipped calibrated, HardKuma-learned or layer-sharing role map, or staggered roles.
 Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
 cell records its sample count and a 95% Wilson interval. On the GPU the server runs with CUDA graphs on
 (``--attention-backend``, Triton by default) and ``--concurrency`` samples in flight, so SGLang batches them.
@@ -31,7 +32,11 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-upper-bound": ("lychee", {"radius_weight": 1.0}),
            "lychee-radius-0.5": ("lychee", {"radius_weight": 0.5}),
            "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
-           "lychee-fine-1": ("lychee", {"fine_cluster_size": 1.0})}
+           "lychee-fine-1": ("lychee", {"fine_cluster_size": 1.0}),
+           # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
+           **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
+              for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},
+           "lychee-hybrid-staggered-0.25": ("lychee", {"head_roles": "staggered-0.25"})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
@@ -68,7 +73,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     for name in methods:
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
-            cfg = None if method == "off" else {"token_budget": budget, **extra}
+            cfg = None if method == "off" else {"token_budget": budget, **{
+                k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
             # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
             eager = bool(gpu_backend) and (method == "quest" or not cuda_graph)
             args = server + (["--disable-cuda-graph"] if eager else [])

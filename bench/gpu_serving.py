@@ -13,9 +13,9 @@ instance:
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
-Ratios are lychee (and each lychee-hybrid-* variant: hybrid heads) over dense, from the same run on the same
-device. One method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a
-method's measurements) to the result of an earlier call on the same machine.
+Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-1, one chunk per fine cluster)
+over dense, from the same run on the same device. One method per device call fits the 10-minute limit: ``--resume``
+adds this call's methods (or more of a method's measurements) to the result of an earlier call on the same machine.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
 WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
-# weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection)
+# weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
+# lychee-fine-1: one chunk per fine cluster (#11's most faithful selection, twice the fine clusters to rank)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
-            "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}}
+            "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-1": {"fine_cluster_size": 1.0}}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s")

@@ -120,3 +120,16 @@ def test_hardkuma_gates_carry_gradients():
     assert log_a.grad.abs().sum() > 0 and log_b.grad.abs().sum() > 0
     # a larger alpha pushes the Kumaraswamy mass up, so more gates open
     assert prob_nonzero(torch.tensor(1.0), torch.tensor(0.0)) > prob_nonzero(torch.tensor(0.0), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("model", sorted(SHAPES))
+def test_fidelity_hybrid_methods_have_a_map_for_each_model(model):
+    from bench.fidelity import METHODS
+
+    hybrid = {n: extra["head_roles"].format(model=model) for n, (_, extra) in METHODS.items() if "head_roles" in extra}
+    assert len(hybrid) == 4
+    layers, kv = SHAPES[model]
+    for spec in hybrid.values():
+        SparseKVConfig.from_method("lychee", {"head_roles": spec})
+        roles = head_roles.resolve(spec, layers, kv, 2)
+        assert len(roles) == layers - 2 and 0 < sum(map(len, roles)) < (layers - 2) * kv
