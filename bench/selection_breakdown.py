@@ -45,7 +45,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     def fine_bounds():
         ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, heads, R, 0.25,
                                                 q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
-                                                BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
+                                                BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=ks.FINE_BLOCK, PARTS=parts)
 
     def cut():
         ks._cut_kernel[(bs * R,)](bnd, ftok, fo, ln_, rem, sel, heads, R, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)

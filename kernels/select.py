@@ -33,6 +33,9 @@ import triton.language as tl
 
 NEG = tl.constexpr(float("-inf"))
 CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (~190K tokens) is cut in registers
+# rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
+# and 16, 32 programs per list) took 39 -> 33 us (bounds) and 26 -> 17 us (emission) per layer at batch 16
+FINE_BLOCK, EMIT_BLOCK = 16, 128
 
 
 @triton.jit
@@ -242,7 +245,7 @@ def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coar
                                      BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
     _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, heads, R, float(radius_weight),
                                          q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D,
-                                         BLOCK_P=BLOCK_P, BLOCK_L=32, PARTS=parts)
+                                         BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
     _cut_kernel[(bs * R,)](bnd, ftok, fo, ln, budget, sel, heads, R, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
@@ -344,11 +347,11 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
     heads = all_heads(H, sel.device) if heads is None else heads
     R = heads.numel()
     _emit_count_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, seq_lens, counts, heads, R,
-                                        dense_limit, sink, recent, H=H, BLOCK_M=64, PARTS=parts)
+                                        dense_limit, sink, recent, H=H, BLOCK_M=EMIT_BLOCK, PARTS=parts)
     _emit_write_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, rows, seq_lens, req_to_token, counts,
                                         windows, lens, heads, R, req_to_token.stride(0), dense_limit, sink, recent, H=H,
-                                        CAP=cap, BLOCK_M=64, BLOCK_T=64, MAXLEN=triton.next_power_of_2(max_chunk),
-                                        PARTS=parts)
+                                        CAP=cap, BLOCK_M=EMIT_BLOCK, BLOCK_T=64,
+                                        MAXLEN=triton.next_power_of_2(max_chunk), PARTS=parts)
     return lens, windows
 
 
