@@ -51,9 +51,16 @@ def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
             str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
 
 
+SHARED_OUTPUT = 512   # tokens out per request of the shared-prefix workloads
+
+
 def shared_prefix(per_group: int) -> list[str]:
     return ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "2", "--gsp-prompts-per-group",
-            str(per_group), "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len", "512"]
+            str(per_group), "--gsp-system-prompt-len", "32000", "--gsp-question-len", "256", "--gsp-output-len",
+            str(SHARED_OUTPUT)]
+
+
+SHARED = (shared_prefix(16), 32, 16)   # the shared-prefix workload: (dataset, prompts, concurrency)
 
 
 def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
@@ -106,7 +113,7 @@ def measure(srv: Server, a, name: str, out: dict, save) -> dict:
         save()
     workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.prompts, a.concurrency),
                  "random64": (random_ids(32768, a.output_len, 64), 64, 16),
-                 "shared": (shared_prefix(16), 32, 16),
+                 "shared": SHARED,
                  "shared64_c16": (shared_prefix(32), 64, 16),
                  "shared64_c32": (shared_prefix(32), 64, 32)}
     for w in a.workloads:

@@ -1,0 +1,100 @@
+"""Launch parameters of the selection kernels, swept on the GPU: the tiles ``kernels/select.py`` uses were chosen here.
+
+    python3 -m bench.tile_sweep --out $OUT/tiles.json
+
+For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
+per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1,
+all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``).
+The tiles only split the same work among programs: every setting computes the same bounds, selection and lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from bench.bench_kernels import D, H, HQ, graph_bench, selection_case
+from sgl_sparsekv.kernels import select as ks
+
+BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 64
+
+
+def sweep(bs: int, ctx: int) -> list[dict]:
+    c = selection_case(bs, ctx, BUDGET, SINK, RECENT)
+    (cmu, cr, ctok), (fmu, fr, ftok, fpar) = c["coarse"], c["fine"]
+    cfine, cstart, clen = c["chunks"]
+    co, pn, fo, ln_, ko, mn = c["ranges"]
+    q, rem, seq, r2t, rows = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"]
+    bnd, sel = torch.empty(fr.shape, dtype=torch.float32, device="cuda"), torch.empty(fr.shape, device="cuda")
+    heads = ks.all_heads(H, "cuda")
+    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
+    ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, co, pn, rem, expanded, heads, H, 16.0, 0.25, q.stride(0),
+                                        q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
+    rows_out = []
+    for tile in (16, 32, 64):
+        for parts in (8, 16, 32, 64):
+            for warps in (2, 4, 8):
+                def bounds():
+                    ks._fine_bounds_kernel[(bs * H, parts)](
+                        q, fmu, fr, fpar, fo, ln_, expanded, bnd, heads, H, 0.25, q.stride(0), q.stride(1),
+                        fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=tile, PARTS=parts,
+                        num_warps=warps)
+                rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
+                                 "ms": round(graph_bench(bounds), 4)})
+    for warps in (2, 4, 8, 16):
+        for tile in (8192, 4096):
+            def cut():
+                ks._cut_kernel[(bs * H,)](bnd, ftok, fo, ln_, rem, sel, heads, H, H=H, BLOCK=tile, num_warps=warps)
+            rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
+    lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
+    windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")
+    for tile in (32, 64, 128):
+        for parts in (8, 16, 32):
+            for warps in (2, 4, 8):
+                counts = torch.empty(bs * H * parts, dtype=torch.int32, device="cuda")
+
+                def count():
+                    ks._emit_count_kernel[(bs * H, parts)](sel, cfine, cstart, clen, fo, ko, mn, seq, counts, heads,
+                                                           H, BUDGET, SINK, RECENT, H=H, BLOCK_M=tile, PARTS=parts,
+                                                           num_warps=warps)
+
+                def write():
+                    ks._emit_write_kernel[(bs * H, parts)](
+                        sel, cfine, cstart, clen, fo, ko, mn, rows, seq, r2t, counts, windows, lens, heads, H,
+                        r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile, BLOCK_T=64, MAXLEN=16,
+                        PARTS=parts, num_warps=warps)
+                t1, t2 = graph_bench(count), graph_bench(write)
+                rows_out.append({"bs": bs, "k": "emit", "BLOCK_M": tile, "parts": parts, "warps": warps,
+                                 "count_ms": round(t1, 4), "write_ms": round(t2, 4), "ms": round(t1 + t2, 4)})
+    return rows_out
+
+
+def best(rows: list[dict], kernel: str, keys: tuple[str, ...]) -> list:
+    """Settings of one kernel by their summed time over the batch sizes, fastest first."""
+    per = defaultdict(dict)
+    for r in rows:
+        if r["k"] == kernel:
+            per[tuple(r[k] for k in keys)][r["bs"]] = r["ms"]
+    return sorted(per.items(), key=lambda kv: sum(kv[1].values()))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=32768)
+    a = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "rows": []}
+    for bs in (16, 1):
+        res["rows"] += sweep(bs, a.context)
+        with open(a.out, "w") as f:
+            json.dump(res, f)
+    for kernel, keys in (("fine_bounds", ("BLOCK_L", "parts", "warps")), ("cut", ("BLOCK", "warps")),
+                         ("emit", ("BLOCK_M", "parts", "warps"))):
+        print(kernel, keys, best(res["rows"], kernel, keys)[:3])
+
+
+if __name__ == "__main__":
+    main()
