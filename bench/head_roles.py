@@ -154,6 +154,67 @@ def prompt_masks(model, tok, cfg, table, task: str, seed: int, length: int, quer
     return ids, layers, own_masks(cfg, ids, layers, range(len(ids) - queries, len(ids)), table)
 
 
+def topk_masks(cfg, layers, positions) -> dict:
+    """{(layer, t): bool [H, t + 1]}: exact top-k retrieval, as LycheeDecode's retrieval heads select: the sink, the
+    recent window and the remaining budget's tokens of largest ``q.k`` (max over the GQA group) among all keys."""
+    out = {}
+    for t in positions:
+        seq = t + 1
+        sink = min(cfg.sink_tokens, seq)
+        recent = min(cfg.recent_window, seq - sink)
+        for l in range(cfg.dense_layers, len(layers)):
+            q_all, k_all, _ = layers[l]
+            H, _, d = k_all.shape
+            score = torch.einsum("hgd,hsd->hgs", q_all[:, t].view(H, -1, d), k_all[:, :seq]).amax(1)   # [H, seq]
+            mask = torch.zeros(H, seq, dtype=torch.bool)
+            mask[:, :sink] = True
+            mask[:, seq - recent:] = True
+            middle = score[:, sink:seq - recent]
+            k = min(cfg.token_budget - sink - recent, middle.shape[1])
+            if k > 0:
+                mask[:, sink:seq - recent].scatter_(1, middle.topk(k, -1).indices, True)
+            out[(l, t)] = mask
+    return out
+
+
+def map_roles(name: str) -> np.ndarray:
+    """[num_layers, H] bool roles of a role map (``sgl_sparsekv.head_roles``; dense layers False)."""
+    from sgl_sparsekv.head_roles import load_map
+
+    layers = load_map(name)["layers"]
+    H = len(layers[-1])
+    return np.array([[False] * H if x == "dense" else [c == "R" for c in x] for x in layers], dtype=bool)
+
+
+def compare_retrieval(model_dir: str, maps: list[str], budget: int, length: int, queries: int) -> dict:
+    """Retrieval heads that select by lychee's clusters against exact top-k over all keys, each with every head
+    retrieving and with each role map, on the held-out prompts: chained metrics and their means."""
+    tok, model = load(model_dir)
+    table = BoundaryTable.from_tokenizer(tok)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": budget})
+    rows = []
+    for task, seed in EVALUATE:
+        ids, layers, masks = prompt_masks(model, tok, cfg, table, task, seed, length, queries)
+        by = {"lychee": masks, "exact-topk": topk_masks(cfg, layers, range(len(ids) - queries, len(ids)))}
+        H = layers[0][1].shape[0]
+        every = np.zeros((len(layers), H), dtype=bool)
+        every[cfg.dense_layers:] = True
+        row = {"task": task, "seed": seed, "tokens": len(ids)}
+        for sel, m in by.items():
+            for name, roles in (("all-retrieval", every), *((n, map_roles(n)) for n in maps)):
+                r = chained_metrics(layers, m, roles, budget, cfg.dense_layers)
+                r.pop("per_layer")
+                row[f"{sel}/{name}"] = r
+        rows.append(row)
+        print(task, {k: round(v["mass_recall"], 4) for k, v in row.items() if isinstance(v, dict)}, flush=True)
+    names = [k for k in rows[0] if "/" in k]
+    return {"model": model_dir, "budget": budget, "length": length, "queries": queries, "maps": maps,
+            "evaluation": rows,
+            "mean_mass_recall": {n: float(np.mean([r[n]["mass_recall"] for r in rows])) for n in names},
+            "mean_out_rel_err": {n: float(np.mean([r[n]["out_rel_err"] for r in rows])) for n in names},
+            "mean_kv_read": {n: float(np.mean([r[n]["kv_read"] for r in rows])) for n in names}}
+
+
 def evaluate(model, tok, cfg, table, variants: dict, length: int, queries: int) -> dict:
     """Each role variant's chained metrics beside all-retrieval on the held-out prompts (``EVALUATE``) and their means:
     {"evaluation": rows, "mean_mass_recall": ..., "mean_out_rel_err": ...}."""
@@ -189,9 +250,17 @@ def main():
     ap.add_argument("--out", default="bench/results/head_roles_smollm2.json")
     ap.add_argument("--export", nargs=3, metavar=("RESULT", "VARIANT", "MAP"),
                     help="write VARIANT's roles from RESULT (this script's JSON) as the role map file MAP, and stop")
+    ap.add_argument("--compare-retrieval", nargs="+", metavar="MAP",
+                    help="compare lychee's cluster retrieval with exact top-k retrieval heads, with every head "
+                         "retrieving and under these role maps, on the held-out prompts; write --out and stop")
     a = ap.parse_args()
     if a.export:
         export_map(*a.export)
+        return
+    if a.compare_retrieval:
+        res = compare_retrieval(a.model_dir, a.compare_retrieval, a.budget, a.length, a.queries)
+        print(json.dumps(res["mean_mass_recall"], indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1))
         return
     tok, model = load(a.model_dir)
     table = BoundaryTable.from_tokenizer(tok)

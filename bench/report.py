@@ -190,6 +190,21 @@ def shared_prefix_ceiling(r: dict) -> tuple[float, float]:
     return step, wall / (wall - decode + prompts / conc * SHARED_OUTPUT * step / 1000)
 
 
+def retrieval_heads_table(path: Path) -> str:
+    """Lychee's cluster retrieval against exact top-k retrieval heads, all heads and role maps (head_roles
+    --compare-retrieval)."""
+    r = json.loads(path.read_text())
+    mm, err, kv = r["mean_mass_recall"], r["mean_out_rel_err"], r["mean_kv_read"]
+    rows = [(roles, *(f"{d[f'{sel}/{roles}']:.4f}" for sel in ("lychee", "exact-topk") for d in (mm, err)))
+            for roles in ("all-retrieval", *r["maps"])]
+    return md_table(f"Retrieval heads that select by lychee's clusters or by exact top-k over all keys (LycheeDecode's), "
+                    f"with every head retrieving or under a role map, {Path(r['model']).name}, {r['length']}-token "
+                    f"held-out prompts, budget {r['budget']} ({kv['lychee/all-retrieval']:.1%} of the KV read), "
+                    f"{r['queries']} decode queries each, CPU (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["roles", "lychee: mass recall", "lychee: output rel. error", "exact top-k: mass recall",
+                     "exact top-k: output rel. error"], rows)
+
+
 def hybrid_serving_table(path: Path) -> str:
     """Dense and lychee variants through the real server from one card (bench/gpu_serving.py)."""
     r = json.loads(path.read_text())
@@ -344,7 +359,10 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("head_roles_qwen.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
-                     ("hardkuma_qwen.json", hardkuma_table), ("gpu_serving_h200_fine1.json", hybrid_serving_table),
+                     ("hardkuma_qwen.json", hardkuma_table),
+                     ("retrieval_heads_qwen.json", retrieval_heads_table),
+                     ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
                      ("selection_breakdown_tiles.json", hybrid_breakdown_table),
                      ("selection_breakdown_hybrid.json", hybrid_breakdown_table),

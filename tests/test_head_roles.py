@@ -133,3 +133,30 @@ def test_fidelity_hybrid_methods_have_a_map_for_each_model(model):
         SparseKVConfig.from_method("lychee", {"head_roles": spec})
         roles = head_roles.resolve(spec, layers, kv, 2)
         assert len(roles) == layers - 2 and 0 < sum(map(len, roles)) < (layers - 2) * kv
+
+
+def test_exact_topk_masks_take_the_largest_scores():
+    from bench.head_roles import topk_masks
+
+    layers, _ = synthetic(2)
+    cfg = type("Cfg", (), {"token_budget": 32, "sink_tokens": 4, "recent_window": 16, "dense_layers": FIRST})()
+    masks = topk_masks(cfg, layers, QUERIES)
+    for (l, t), m in masks.items():
+        q_all, k_all, _ = layers[l]
+        score = torch.einsum("hgd,hsd->hgs", q_all[:, t].view(H, G, D), k_all[:, :t + 1]).amax(1)
+        assert m.shape == (H, t + 1) and (m.sum(1) == 32).all()
+        assert m[:, :4].all() and m[:, t + 1 - 16:].all()
+        mid, sel = score[:, 4:t + 1 - 16], m[:, 4:t + 1 - 16]
+        for h in range(H):   # every taken middle token scores at least as high as every one left out
+            assert mid[h][sel[h]].min() >= mid[h][~sel[h]].max()
+    assert sorted({l for l, _ in masks}) == list(range(FIRST, L))
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-calibrated-0.25", "smollm2-layer-sharing-0.25"])
+def test_map_roles_round_trip(name):
+    from bench.head_roles import map_roles
+
+    roles = map_roles(name)
+    data = head_roles.load_map(name)
+    assert head_roles.to_strings(roles, data["dense_layers"]) == data["layers"]
+    assert int(roles.sum()) == data["retrieval_heads"]
