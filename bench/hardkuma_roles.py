@@ -13,7 +13,10 @@ inherits; a head passes its own set on when its sampled z > 0.5). The model is f
     min_{alpha, beta} max_{lambda >= 0}  L_distill + lambda * (E[||z||_0] - N_target) / heads
 
 with L_distill the mean squared distance between the student's and the dense model's logits at those positions and
-E[||z||_0] = sum_h P(z_h > 0) in closed form; lambda rises by gradient ascent. A head retrieves iff E[z] > 0.5
+E[||z||_0] = sum_h P(z_h > 0) in closed form; lambda rises by gradient ascent. ``--constraint equal`` makes it an
+equality, E[||z||_0] = N_target, by an augmented Lagrangian: lambda of either sign plus ``rho / 2 * gap^2``. A gate
+driven shut passes the distillation no gradient, so under the paper's inequality, once the multiplier has overshot,
+the gates settle below the target (and a multiplier alone swings far past it: measured, 3 heads for a target of 11). A head retrieves iff E[z] > 0.5
 (Monte Carlo). The prompt before the decode positions is prefilled densely once (its KV cached), so a step runs only
 the decode positions with gradients. The learned map is evaluated like the calibrated ones (``bench/head_roles.py``:
 chained attention-mass recall on held-out prompts) and written as a role map for ``head_roles``.
@@ -116,7 +119,9 @@ class HybridAttention:
 
 
 def train(model, prompts, first: int, heads: int, layers: int, target: int, steps: int, lr: float, lr_lambda: float,
-          seed: int) -> dict:
+          seed: int, equal: bool = False, rho: float = 20.0) -> dict:
+    """``equal``: E[L0] = target by an augmented Lagrangian (lambda of either sign, penalty ``rho / 2 * gap^2``)
+    instead of E[L0] <= target (lambda >= 0)."""
     torch.manual_seed(seed)
     sparse = layers - first - 1                   # the first sparse layer always retrieves
     log_a = torch.zeros(sparse, heads, requires_grad=True)
@@ -144,14 +149,15 @@ def train(model, prompts, first: int, heads: int, layers: int, target: int, step
             distill = distill + ((logits - p.teacher) ** 2).mean() / len(prompts)
         l0 = prob_nonzero(log_a, log_b).sum() + heads
         gap = (l0 - target) / (sparse + 1) / heads
-        loss = distill + lam * gap
+        loss = distill + lam * gap + (rho / 2 * gap ** 2 if equal else 0.0)
         opt.zero_grad()
         loss.backward()
         opt.step()
         with torch.no_grad():   # a gate driven to always 0 (or 1) passes no gradient and could never come back
             log_a.clamp_(-3, 3)
             log_b.clamp_(-3, 3)
-        lam = max(0.0, lam + lr_lambda * gap.item())
+        lam = lam + lr_lambda * gap.item()
+        lam = lam if equal else max(0.0, lam)
         if step % 10 == 0 or step == steps - 1:
             log.append({"step": step, "distill": round(float(distill), 5), "expected_l0": round(float(l0), 2),
                         "lambda": round(lam, 4), "seconds": round(time.time() - t0, 1)})
@@ -176,6 +182,8 @@ def main():
     ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--lr-lambda", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--constraint", choices=["at-most", "equal"], default="at-most",
+                    help="E[L0] <= target (the paper's, lambda >= 0) or E[L0] = target (lambda of either sign)")
     ap.add_argument("--compare", default=None, help="a role map (name or path) to evaluate beside the learned one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--map", default=None, help="write the learned roles here as a role map")
@@ -193,9 +201,10 @@ def main():
     prompts = [Prompt(model, cfg, np.asarray(tok(make(t, tok, a.length, s).prompt).input_ids), a.queries, table)
                for t, s in CALIBRATE]
     prep_s = time.time() - t0
-    got = train(model, prompts, first, heads, layers, target, a.steps, a.lr, a.lr_lambda, a.seed)
+    equal = a.constraint == "equal"
+    got = train(model, prompts, first, heads, layers, target, a.steps, a.lr, a.lr_lambda, a.seed, equal)
     roles = got["roles"]
-    name = f"hardkuma-{a.share:g}"
+    name = f"hardkuma-{'eq-' if equal else ''}{a.share:g}"
     variants = {name: roles}
     if a.compare:
         cmp = head_roles.resolve(a.compare, layers, heads, first)
@@ -208,6 +217,7 @@ def main():
            "training": {"calibration": [{"task": t, "seed": s, "tokens": p.n, "decode_positions": a.queries}
                                         for (t, s), p in zip(CALIBRATE, prompts)],
                         "steps": a.steps, "lr": a.lr, "lr_lambda": a.lr_lambda, "seed": a.seed, "stretch": STRETCH,
+                        "constraint": a.constraint,
                         "prepare_s": round(prep_s, 1), "device": "CPU", "log": got["log"]},
            "expected_z": np.round(got["expected_z"].numpy(), 3).tolist(),
            "roles": {v: {"retrieval_heads": int(r[first:].sum()), "of": sparse_heads,
@@ -216,7 +226,8 @@ def main():
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     if a.map:
         made_by = (f"`python -m bench.hardkuma_roles --model-dir {a.model_dir} --share {a.share:g} --steps {a.steps} "
-                   f"--lr {a.lr:g} --lr-lambda {a.lr_lambda:g} --length {a.length} --budget {a.budget}` ({a.out}): "
+                   f"--lr {a.lr:g} --lr-lambda {a.lr_lambda:g} --length {a.length} --budget {a.budget} --constraint "
+                   f"{a.constraint}` ({a.out}): "
                    "HardKuma gates trained on the CPU by "
                    f"distillation to the dense logits at {a.queries} decode positions of "
                    f"{', '.join(f'{t} seed {s}' for t, s in CALIBRATE)}; a head retrieves iff E[z] > 0.5")

@@ -170,7 +170,9 @@ def hardkuma_table(path: Path) -> str:
     rows = role_rows(r)
     cal = ", ".join(f"{c['task']} seed {c['seed']}" for c in t["calibration"])
     return md_table(f"Learned head roles (HardKuma, issue #12), {r['model']}, budget {r['budget']}, {r['length']} tokens: "
-                    f"gates trained {t['steps']} steps on {t['device']} ({cal}; {t['calibration'][0]['decode_positions']} "
+                    f"gates trained {t['steps']} steps on {t['device']} under E[L0] "
+                    f"{'=' if t.get('constraint') == 'equal' else '<='} target ({cal}; "
+                    f"{t['calibration'][0]['decode_positions']} "
                     f"decode positions each; final distillation loss {last['distill']}, E[L0] {last['expected_l0']} "
                     f"for a target of {r['target_heads']}), evaluated on held-out prompts like the calibrated maps "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
@@ -360,7 +362,7 @@ def main():
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("head_roles_qwen.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
                      ("hardkuma_qwen.json", hardkuma_table),
-                     ("retrieval_heads_qwen.json", retrieval_heads_table),
+                     ("hardkuma_eq_qwen.json", hardkuma_table), ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
