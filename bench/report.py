@@ -183,7 +183,6 @@ def shared_prefix_ceiling(r: dict) -> tuple[float, float]:
     """(step ms, throughput ratio): the most a sparse method can gain over dense on the shared-prefix workload if every
     decode step at batch 16 took only the batch-1 step at 32K (the fastest sparse method's, from the same run). Dense
     spends about waves x output length x its median ITL decoding; the rest of its wall time (prefills, queueing) stays."""
-
     _, prompts, conc = SHARED
     d = r["dense"]["shared"]
     wall = prompts * SHARED_OUTPUT / d["output_throughput"]
