@@ -17,8 +17,8 @@ E[||z||_0] = sum_h P(z_h > 0) in closed form; lambda rises by gradient ascent. `
 equality, E[||z||_0] = N_target, by an augmented Lagrangian: lambda of either sign plus ``rho / 2 * gap^2``. A gate
 driven shut passes the distillation no gradient, so under the paper's inequality, once the multiplier has overshot,
 the gates settle below the target (a multiplier of either sign alone swung E[||z||_0] to 3 for a target of 11).
-A head retrieves iff E[z] > 0.5 (Monte Carlo). The prompt before the decode positions is prefilled densely once (its KV cached), so a step runs only
-the decode positions with gradients. The learned map is evaluated like the calibrated ones (``bench/head_roles.py``:
+A head retrieves iff E[z] > 0.5 (Monte Carlo). The prompt before the decode positions is prefilled densely once (its
+KV cached), so a step runs only the decode positions with gradients. The learned map is evaluated like the calibrated ones (``bench/head_roles.py``:
 chained attention-mass recall on held-out prompts) and written as a role map for ``head_roles``.
 """
 
