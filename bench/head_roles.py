@@ -14,6 +14,8 @@ of retrieval heads among all sparse heads, four ways to choose them, each readin
 Evaluated on other prompts and tasks against all-retrieval lychee at the same budget: attention-mass recall and
 output error of the chained sets. ``--export`` turns one variant into a role map that the server takes
 (config key ``head_roles``, ``configs/head_roles/``); which selections it saves is measured on the GPU.
+``--retrieval exact-topk`` calibrates and evaluates retrieval heads that select the exact top-k over all keys (the
+paper's) instead of lychee's clusters; ``--compare-retrieval`` sets both kinds side by side under given role maps.
 """
 
 from __future__ import annotations
@@ -147,11 +149,15 @@ def export_map(result: str, variant: str, out: str) -> None:
         "layers": layers, "made_by": made_by}, indent=1) + "\n")
 
 
-def prompt_masks(model, tok, cfg, table, task: str, seed: int, length: int, queries: int):
-    """(ids, captured layers, lychee's own masks at the last ``queries`` positions) of one task prompt."""
+def prompt_masks(model, tok, cfg, table, task: str, seed: int, length: int, queries: int, retrieval: str = "lychee"):
+    """(ids, captured layers, each head's own masks at the last ``queries`` positions) of one task prompt: what lychee
+    selects, or with ``retrieval`` "exact-topk" the exact top-k (:func:`topk_masks`)."""
     ids = np.asarray(tok(make(task, tok, length, seed).prompt).input_ids)
     layers = capture(model, ids)
-    return ids, layers, own_masks(cfg, ids, layers, range(len(ids) - queries, len(ids)), table)
+    positions = range(len(ids) - queries, len(ids))
+    if retrieval == "exact-topk":
+        return ids, layers, topk_masks(cfg, layers, positions)
+    return ids, layers, own_masks(cfg, ids, layers, positions, table)
 
 
 def topk_masks(cfg, layers, positions) -> dict:
@@ -215,12 +221,12 @@ def compare_retrieval(model_dir: str, maps: list[str], budget: int, length: int,
             "mean_kv_read": {n: float(np.mean([r[n]["kv_read"] for r in rows])) for n in names}}
 
 
-def evaluate(model, tok, cfg, table, variants: dict, length: int, queries: int) -> dict:
+def evaluate(model, tok, cfg, table, variants: dict, length: int, queries: int, retrieval: str = "lychee") -> dict:
     """Each role variant's chained metrics beside all-retrieval on the held-out prompts (``EVALUATE``) and their means:
     {"evaluation": rows, "mean_mass_recall": ..., "mean_out_rel_err": ...}."""
     rows = []
     for task, seed in EVALUATE:
-        ids, layers, masks = prompt_masks(model, tok, cfg, table, task, seed, length, queries)
+        ids, layers, masks = prompt_masks(model, tok, cfg, table, task, seed, length, queries, retrieval)
         row = {"task": task, "seed": seed, "tokens": len(ids), "all-retrieval": summarize(
             {k: mask_metrics(layers[k[0]], k[1], m, cfg.token_budget) for k, m in masks.items()})}
         for name, roles in variants.items():
@@ -250,6 +256,9 @@ def main():
     ap.add_argument("--out", default="bench/results/head_roles_smollm2.json")
     ap.add_argument("--export", nargs=3, metavar=("RESULT", "VARIANT", "MAP"),
                     help="write VARIANT's roles from RESULT (this script's JSON) as the role map file MAP, and stop")
+    ap.add_argument("--retrieval", choices=["lychee", "exact-topk"], default="lychee",
+                    help="what a retrieval head selects, in calibration and evaluation: lychee's clusters or the exact "
+                         "top-k over all keys (LycheeDecode's)")
     ap.add_argument("--compare-retrieval", nargs="+", metavar="MAP",
                     help="compare lychee's cluster retrieval with exact top-k retrieval heads, with every head "
                          "retrieving and under these role maps, on the held-out prompts; write --out and stop")
@@ -267,11 +276,13 @@ def main():
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
     first = cfg.dense_layers
 
-    ids, layers, masks = prompt_masks(model, tok, cfg, table, *CALIBRATE, a.length, a.calibration_queries)
+    ids, layers, masks = prompt_masks(model, tok, cfg, table, *CALIBRATE, a.length, a.calibration_queries,
+                                      a.retrieval)
     loss = reuse_loss(layers, masks, a.budget, first)
     weights = attention_weights(layers, masks, first)
     sparse_heads = (len(layers) - first) * loss.shape[1]
     res = {"model": a.model_dir, "budget": a.budget, "length": a.length, "queries": a.queries,
+           "retrieval": a.retrieval,
            "calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids), "queries": a.calibration_queries,
                            "reuse_loss": np.round(loss, 4).tolist()},
            "roles": {}}
@@ -286,7 +297,7 @@ def main():
             variants[name] = roles
             res["roles"][name] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
                                   "map": to_strings(roles, first)}
-    res.update(evaluate(model, tok, cfg, table, variants, a.length, a.queries))
+    res.update(evaluate(model, tok, cfg, table, variants, a.length, a.queries, a.retrieval))
     Path(a.out).write_text(json.dumps(res, indent=1))
 
 

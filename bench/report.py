@@ -156,7 +156,9 @@ def roles_table(path: Path) -> str:
     cal = r["calibration"]
     rows = role_rows(r)
     return md_table(f"Hybrid heads at the attention level (issue #12), {r['model']}, budget {r['budget']}, about "
-                    f"{r['length']} tokens: sparse heads attend to their parent's set; roles calibrated on "
+                    f"{r['length']} tokens, retrieval heads selecting "
+                    f"{'the exact top-k over all keys' if r.get('retrieval') == 'exact-topk' else 'by lychee clusters'}: "
+                    f"sparse heads attend to their parent's set; roles calibrated on "
                     f"{cal['task']} ({cal['queries']} queries), evaluated on {tasks} ({r['queries']} queries each), "
                     f"means (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["roles", "retrieval heads", "attention-mass recall", "output rel. error"], rows)
@@ -361,7 +363,8 @@ def main():
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
                      ("head_roles_qwen.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
                      ("hardkuma_qwen.json", hardkuma_table),
-                     ("hardkuma_eq_qwen.json", hardkuma_table), ("retrieval_heads_qwen.json", retrieval_heads_table),
+                     ("hardkuma_eq_qwen.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
+                     ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
