@@ -18,8 +18,9 @@ equality, E[||z||_0] = N_target, by an augmented Lagrangian: lambda of either si
 driven shut passes the distillation no gradient, so under the paper's inequality, once the multiplier has overshot,
 the gates settle below the target (a multiplier of either sign alone swung E[||z||_0] to 3 for a target of 11).
 A head retrieves iff E[z] > 0.5 (Monte Carlo). The prompt before the decode positions is prefilled densely once (its
-KV cached), so a step runs only the decode positions with gradients. The learned map is evaluated like the calibrated ones (``bench/head_roles.py``:
-chained attention-mass recall on held-out prompts) and written as a role map for ``head_roles``.
+KV cached), so a step runs only the decode positions with gradients. The learned map is evaluated like the calibrated
+ones (``bench/head_roles.py``: chained attention-mass recall on held-out prompts) and written as a role map for
+``head_roles``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from bench.attention_recall import capture, load, own_masks
-from bench.head_roles import evaluate
+from bench.head_roles import evaluate, roles_array
 from bench.tasks import make
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.chunking import BoundaryTable
@@ -207,11 +208,7 @@ def main():
     name = f"hardkuma-{'eq-' if equal else ''}{a.share:g}"
     variants = {name: roles}
     if a.compare:
-        cmp = head_roles.resolve(a.compare, layers, heads, first)
-        r = np.zeros((layers, heads), dtype=bool)
-        for l, hs in enumerate(cmp):
-            r[first + l, hs] = True
-        variants[a.compare] = r
+        variants[a.compare] = roles_array(a.compare, layers, heads, first)
     res = {"model": a.model_dir, "budget": a.budget, "length": a.length, "share": a.share, "target_heads": target,
            "of": sparse_heads, "retrieval_heads": int(roles[first:].sum()),
            "training": {"calibration": [{"task": t, "seed": s, "tokens": p.n, "decode_positions": a.queries}

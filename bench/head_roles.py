@@ -183,13 +183,16 @@ def topk_masks(cfg, layers, positions) -> dict:
     return out
 
 
-def map_roles(name: str) -> np.ndarray:
-    """[num_layers, H] bool roles of a role map (``sgl_sparsekv.head_roles``; dense layers False)."""
-    from sgl_sparsekv.head_roles import load_map
+def roles_array(spec: str, num_layers: int, heads: int, first: int) -> np.ndarray:
+    """[num_layers, heads] bool roles of a ``head_roles`` value (all-retrieval, staggered-<share> or a role map),
+    checked against the model's shape as the server checks it; dense layers False."""
+    from sgl_sparsekv.head_roles import resolve
 
-    layers = load_map(name)["layers"]
-    H = len(layers[-1])
-    return np.array([[False] * H if x == "dense" else [c == "R" for c in x] for x in layers], dtype=bool)
+    roles = np.zeros((num_layers, heads), dtype=bool)
+    picked = resolve(spec, num_layers, heads, first)
+    for l, hs in enumerate(picked or [range(heads)] * (num_layers - first)):
+        roles[first + l, list(hs)] = True
+    return roles
 
 
 def compare_retrieval(model_dir: str, maps: list[str], budget: int, length: int, queries: int) -> dict:
@@ -202,12 +205,10 @@ def compare_retrieval(model_dir: str, maps: list[str], budget: int, length: int,
     for task, seed in EVALUATE:
         ids, layers, masks = prompt_masks(model, tok, cfg, table, task, seed, length, queries)
         by = {"lychee": masks, "exact-topk": topk_masks(cfg, layers, range(len(ids) - queries, len(ids)))}
-        H = layers[0][1].shape[0]
-        every = np.zeros((len(layers), H), dtype=bool)
-        every[cfg.dense_layers:] = True
         row = {"task": task, "seed": seed, "tokens": len(ids)}
         for sel, m in by.items():
-            for name, roles in (("all-retrieval", every), *((n, map_roles(n)) for n in maps)):
+            for name in ("all-retrieval", *maps):
+                roles = roles_array(name, len(layers), layers[0][1].shape[0], cfg.dense_layers)
                 r = chained_metrics(layers, m, roles, budget, cfg.dense_layers)
                 r.pop("per_layer")
                 row[f"{sel}/{name}"] = r
