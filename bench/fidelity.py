@@ -17,6 +17,7 @@ cell records its sample count and a 95% Wilson interval. On the GPU the server r
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -53,10 +54,16 @@ def wilson(correct: int, n: int, z: float = 1.96) -> list[float]:
     return [round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)]
 
 
+def digest(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
-        gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True) -> dict:
+        gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1) -> dict:
     """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished.
-    ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU."""
+    ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
+    ``tp_size``: tensor parallelism on the GPU. Each answer's digest is kept, so two runs of the same samples
+    (say TP 1 and TP 2) can be compared answer by answer."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -67,7 +74,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         device, server = torch.cuda.get_device_name(), GPU_SERVER + ["--attention-backend", gpu_backend]
     else:
         device, server = f"CPU ({platform.machine()})", CPU_SERVER
-    server = server + ["--context-length", str(CONTEXT.get(model, 8192))]
+    server = server + ["--context-length", str(CONTEXT.get(model, 8192))] + (
+        ["--tp-size", str(tp_size)] if tp_size > 1 else [])
     res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "budgets": budgets,
            "tasks": list(tasks), "server_args": server, "runs": []}
     for name in methods:
@@ -84,14 +92,15 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 scores, counts = {}, {}
                 for t in tasks:
                     for n in lengths:
-                        texts = pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"],
-                                         data[t][n])
+                        texts = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"],
+                                              data[t][n]))
                         done = [s.score(text) for s, text in zip(data[t][n], texts)]
                         k = sum(done)
                         scores[f"{t}@{n}"] = k / len(done)
                         # the failed seeds let two methods be compared sample by sample
                         counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
-                                              "failed": [i for i, ok in enumerate(done) if not ok]}
+                                              "failed": [i for i, ok in enumerate(done) if not ok],
+                                              "digests": [digest(text) for text in texts]}
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
@@ -151,6 +160,7 @@ def main():
                     "lychee wraps")
     ap.add_argument("--concurrency", type=int, default=1, help="samples in flight at once (batched by SGLang)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="on the GPU: serve every method eagerly")
+    ap.add_argument("--tp-size", type=int, default=1, help="on the GPU: tensor parallelism of every server")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     a = ap.parse_args()
@@ -170,7 +180,7 @@ def main():
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
-              cuda_graph=not a.disable_cuda_graph)
+              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size)
     if a.plot:
         plot(res, a.plot)
 

@@ -14,7 +14,7 @@ instance:
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
 Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-1, one chunk per fine cluster)
-over dense, from the same run on the same device. One method per device call fits the 10-minute limit: ``--resume``
+over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One method per device call fits the 10-minute limit: ``--resume``
 adds this call's methods (or more of a method's measurements) to the result of an earlier call on the same machine.
 """
 
@@ -122,6 +122,8 @@ def measure(srv: Server, a, name: str, out: dict, save) -> dict:
         print(name, w, out[w], flush=True)
         save()
     out["stats"] = srv.stats()
+    if len(ranks := srv.rank_stats()) > 1:
+        out["stats_per_tp_rank"] = ranks
     return out
 
 
@@ -157,6 +159,8 @@ def main():
     ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"],
                     help="SGLang attention backend of both servers (lychee wraps it)")
     ap.add_argument("--resume", help="result JSON of an earlier call on this machine: add this call's methods to it")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of both servers (GPUs per server)")
+    ap.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas of both servers")
     a = ap.parse_args()
     import torch
 
@@ -165,7 +169,9 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
            "model": "Llama-3.1-8B shape, dummy weights",
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "resume")},
-           "server_args": COMMON + ["--attention-backend", a.backend]}
+           "gpus": torch.cuda.device_count(),
+           "server_args": COMMON + ["--attention-backend", a.backend, "--tp-size", str(a.tp_size),
+                                    "--dp-size", str(a.dp_size)]}
     if a.resume:
         with open(a.resume) as f:
             prior = json.load(f)

@@ -2,6 +2,7 @@
 
     python3 -m bench.gpu_stress --model /tmp/m8b --out $OUT/stress.json          # < 10 minutes on an H100
     python3 -m bench.gpu_stress --model /tmp/tiny --small --out /tmp/stress.json  # the `-m gpu` test
+    python3 -m bench.gpu_stress --model /tmp/tiny --small --tp-size 2 --out /tmp/stress.json   # two GPUs
 
 One lychee server (CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
 small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads:
@@ -10,7 +11,8 @@ long; streamed requests whose client disconnects mid-decode and requests aborted
 ``/abort_request``. It passes when every request that was not aborted returns all its tokens, the
 server stays healthy, and once traffic ends ``/server_info`` reads idle without any further request
 (no live request state, no pool row in use, every unit reference accounted for) and empty after
-``/flush_cache``. Then greedy tokens of prompts within the budget are compared with a dense server.
+``/flush_cache``, on every TP rank, and the ranks cut and grafted the same units. Then greedy tokens of prompts
+within the budget are compared with a dense server.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from bench.server import Server
 BUDGET = 1024
 
 
-def server_args(small: bool) -> list[str]:
-    return ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
+def server_args(small: bool, tp_size: int = 1) -> list[str]:
+    return ["--tp-size", str(tp_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
             "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
             "--max-total-tokens", "40000" if small else "262144", "--context-length", "70000",
             "--mem-fraction-static", "0.8", "--enable-metrics"]
@@ -87,24 +89,26 @@ def run_job(url: str, job: dict) -> dict:
     return res
 
 
-def wait_idle(srv: Server, timeout: float = 30) -> dict:
-    """Stats once the server reads idle, polling /server_info only (no request that could apply frees)."""
+def wait_idle(srv: Server, timeout: float = 30) -> list[dict]:
+    """Every TP rank's stats once all read idle, polling /server_info only (no request that could apply frees)."""
     deadline = time.time() + timeout
     while True:
-        stats = srv.stats()
-        if stats.get("live_requests") == 0 or time.time() > deadline:
-            return stats
+        ranks = srv.rank_stats()
+        if all(st.get("live_requests") == 0 for st in ranks) or time.time() > deadline:
+            return ranks
         time.sleep(0.5)
 
 
-def idle_checks(stats: dict, flushed: dict) -> dict:
+def idle_checks(ranks: list[dict], flushed: list[dict]) -> dict:
     return {
-        "no_live_request_state": stats["live_requests"] == 0,
-        "no_pool_rows_in_use": all(p["used"] == 0 for p in stats["index_pools"].values()),
-        "no_unplaced_requests": stats["unplaced_requests"] == 0,
-        "unit_refs_accounted": stats["unit_refs_unaccounted"] == 0,
-        "empty_after_flush": flushed["live_units"] == 0 and flushed["cached_indexes"] == 0
-                             and flushed["unit_refs_unaccounted"] == 0,
+        "no_live_request_state": all(st["live_requests"] == 0 for st in ranks),
+        "no_pool_rows_in_use": all(p["used"] == 0 for st in ranks for p in st["index_pools"].values()),
+        "no_unplaced_requests": all(st["unplaced_requests"] == 0 for st in ranks),
+        "unit_refs_accounted": all(st["unit_refs_unaccounted"] == 0 for st in ranks),
+        "empty_after_flush": all(st["live_units"] == 0 and st["cached_indexes"] == 0
+                                 and st["unit_refs_unaccounted"] == 0 for st in flushed),
+        # chunk cuts depend on token ids only: every TP rank cuts, builds and grafts the same units
+        "ranks_agree": len({(st["units_built"], st["index_builds"], st["grafts"]) for st in ranks}) == 1,
     }
 
 
@@ -125,15 +129,16 @@ def main():
     ap.add_argument("--concurrency", type=int, default=24)
     ap.add_argument("--small", action="store_true", help="a tiny model and short prompts (the -m gpu test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tp-size", type=int, default=1)
     a = ap.parse_args()
     import torch
 
     n = 24 if a.small else a.requests
     jobs = plan(a.seed, n, a.small)
     res = {"device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(a).items() if k != "out"},
-           "server_args": server_args(a.small), "budget": BUDGET}
+           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size), "budget": BUDGET}
     cfg = {"token_budget": BUDGET}
-    with Server(a.model, "lychee", cfg, extra=server_args(a.small), cpu=False, log_path=f"{a.out}.lychee.log",
+    with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(a.concurrency) as pool:
@@ -148,7 +153,7 @@ def main():
         res["metrics_exported"] = "sglang:sparse_kv_index_pool_fill" in requests.get(srv.url + "/metrics",
                                                                                      timeout=60).text
         res["greedy_lychee"] = greedy_short(srv, a.seed)
-    with Server(a.model, "off", None, extra=server_args(a.small), cpu=False, log_path=f"{a.out}.dense.log",
+    with Server(a.model, "off", None, extra=res["server_args"], cpu=False, log_path=f"{a.out}.dense.log",
                 timeout=900) as srv:
         res["greedy_dense"] = greedy_short(srv, a.seed)
     res["results"] = results
@@ -165,7 +170,8 @@ def main():
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({"counts": counts, "checks": res["checks"], "passed": res["passed"], "load_s": res["load_s"],
-                      "fallbacks": idle.get("dense_fallback_steps"), "index_pool_full": idle.get("index_pool_full")}))
+                      "fallbacks": [st["dense_fallback_steps"] for st in idle],
+                      "index_pool_full": [st["index_pool_full"] for st in idle]}))
     raise SystemExit(0 if res["passed"] else 1)
 
 

@@ -97,8 +97,24 @@ class Server:
         r.raise_for_status()
         return r.json()
 
+    def internal_states(self) -> list[dict]:
+        """One entry per data-parallel replica (its TP rank 0's state)."""
+        return requests.get(self.url + "/server_info", timeout=60).json()["internal_states"]
+
     def internal_state(self) -> dict:
-        return requests.get(self.url + "/server_info", timeout=60).json()["internal_states"][0]
+        return self.internal_states()[0]
 
     def stats(self) -> dict:
-        return self.internal_state().get("sparse_kv_stats", {})
+        """The plugin's counters (TP rank 0's); with data parallelism, the numbers summed over the replicas and
+        each replica's own under ``replicas``."""
+        states = [s.get("sparse_kv_stats", {}) for s in self.internal_states()]
+        if len(states) == 1:
+            return states[0]
+        summed = {k: sum(s[k] for s in states) for k, v in states[0].items()
+                  if isinstance(v, (int, float)) and k not in ("tp_rank", "dp_rank")}
+        return dict(summed, replicas=states)
+
+    def rank_stats(self) -> list[dict]:
+        """Each TP rank's own counters (of the first DP replica); one entry without tensor parallelism."""
+        state = self.internal_state()
+        return state.get("sparse_kv_stats_per_tp_rank") or [state.get("sparse_kv_stats", {})]

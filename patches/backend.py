@@ -23,11 +23,12 @@ import torch
 
 from sgl_sparsekv.attend import dense_decode, sparse_decode
 from sgl_sparsekv.chunking import BoundaryTable
-from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 from sgl_sparsekv.manager import PoolPlan, SparseKVManager
 from sgl_sparsekv.patches import surface
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from sgl_sparsekv.tensor_parallel import KVShard
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -112,8 +113,12 @@ class SparseKVAttnBackend(AttentionBackend):
         start = getattr(pool, "start_layer", 0) or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")
+        shard = KVShard.of_rank(runner.model_config.get_total_num_kv_heads(), runner.tp_size, runner.tp_rank)
+        if shard.count != k0.shape[1]:
+            raise ConfigError(f"sparse-kv: TP rank {runner.tp_rank} holds {k0.shape[1]} KV heads, expected "
+                              f"{shard.count} of {shard.total}")
         self.manager = SparseKVManager(
-            cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1],
+            cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1], kv_shard=shard,
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
             # quest's summaries and lychee's chunk keys in bf16 on GPU; fp32 on CPU, where the twins run

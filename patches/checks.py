@@ -30,11 +30,10 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
         bad("--enable-hierarchical-cache", "is not supported yet (the host KV tier is planned)")
     if getattr(sa, "disaggregation_mode", "null") not in ("null", None):
         bad("--disaggregation-mode", "is not supported")
-    for flag, attr in (("--tp-size", "tp_size"), ("--pp-size", "pp_size"), ("--dp-size", "dp_size")):
-        if (getattr(sa, attr, 1) or 1) > 1:
-            bad(flag, "> 1 is not supported yet")
+    if (getattr(sa, "pp_size", 1) or 1) > 1:
+        bad("--pp-size", "> 1 is not supported yet (pipeline stages would each hold part of the layers' index)")
     if getattr(sa, "enable_dp_attention", False):
-        bad("--enable-dp-attention", "is not supported")
+        bad("--enable-dp-attention", "is not supported (--dp-size alone runs independent replicas, which is)")
     for flag, attr in (("--attention-backend", "attention_backend"),
                        ("--prefill-attention-backend", "prefill_attention_backend"),
                        ("--decode-attention-backend", "decode_attention_backend")):

@@ -67,9 +67,21 @@ def note_batch_requests(result, cls, batch, model_runner, *args, **kwargs):
 
 
 def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
+    """``/server_info``: each DP replica's entry carries its TP rank 0's counters as ``sparse_kv_stats`` and, under
+    tensor parallelism, every TP rank's own as ``sparse_kv_stats_per_tp_rank`` (each labelled with its ranks)."""
     backend = _sparse_backend(scheduler)
-    if backend is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["sparse_kv_stats"] = backend.manager.snapshot_stats()
+    if backend is None or not isinstance(getattr(result, "internal_state", None), dict):
+        return result
+    ps = scheduler.ps
+    stats = dict(backend.manager.snapshot_stats(), tp_rank=ps.tp_rank, dp_rank=ps.dp_rank or 0)
+    result.internal_state["sparse_kv_stats"] = stats
+    if ps.tp_size > 1:
+        # every TP rank handles the same broadcast request, so all of them join; only rank 0's reply goes out
+        import torch.distributed as dist
+
+        per_rank = [None] * ps.tp_size
+        dist.all_gather_object(per_rank, stats, group=scheduler.tp_cpu_group)
+        result.internal_state["sparse_kv_stats_per_tp_rank"] = per_rank
     return result
 
 
@@ -90,7 +102,8 @@ def check_scheduler(result, scheduler, *args, **kwargs):
         from sgl_sparsekv.patches.metrics import PrometheusExport
 
         backend.metrics = PrometheusExport({"model_name": scheduler.server_args.served_model_name,
-                                            "tp_rank": str(getattr(scheduler, "tp_rank", 0))})
+                                            "tp_rank": str(scheduler.ps.tp_rank),
+                                            "dp_rank": str(scheduler.ps.dp_rank or 0)})
     return result
 
 

@@ -53,7 +53,8 @@ class PooledDecode:
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
         self.select, self.emit = ops
-        roles = head_roles.resolve(cfg.head_roles, manager.num_layers, H, cfg.dense_layers)
+        shard = manager.kv_shard
+        roles = head_roles.resolve(cfg.head_roles, manager.num_layers, shard.total, cfg.dense_layers, heads=shard.heads)
         every = all_heads(H, dev)
         # per sparse layer: its retrieval KV heads (int32), None where it has none
         self.layer_heads = [every] * pools.layers if roles is None else [

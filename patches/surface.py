@@ -60,12 +60,12 @@ REQ = "sglang.srt.managers.schedule_batch.Req"
 REQ_FIELDS = ("origin_input_ids", "output_ids", "req_pool_idx")
 
 # instance attributes read or patched in the scheduler process
-RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "is_draft_worker", "req_to_token_pool",
-                "token_to_kv_pool", "token_to_kv_pool_allocator")
+RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "tp_rank", "is_draft_worker",
+                "req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator")
 KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
 ALLOCATOR_PATCHED = ("free", "clear")
-SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args")
+SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args", "ps", "tp_cpu_group")
 
 
 def _fail(what: str) -> None:

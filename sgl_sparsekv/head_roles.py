@@ -98,9 +98,11 @@ def validate(spec: str) -> None:
     load_map(spec)
 
 
-def resolve(spec: str, num_layers: int, num_kv_heads: int, dense_layers: int) -> list[list[int]] | None:
+def resolve(spec: str, num_layers: int, num_kv_heads: int, dense_layers: int,
+            heads: range | None = None) -> list[list[int]] | None:
     """Per sparse layer, the KV heads that retrieve; None when every head does. Raises a one-line ConfigError
-    when a map does not fit the model (layers, KV heads, dense layers)."""
+    when a map does not fit the model (layers, ``num_kv_heads`` of the whole model, dense layers). ``heads``: the
+    model's KV heads that this tensor-parallel rank holds (all by default); the result counts from its first."""
     if spec == ALL:
         return None
     m = _STAGGERED.match(spec)
@@ -116,7 +118,8 @@ def resolve(spec: str, num_layers: int, num_kv_heads: int, dense_layers: int) ->
         model = data.get("model", "?")
         if len(layers) != num_layers or width != num_kv_heads or dense != dense_layers:
             raise _error(f"{spec!r} (made for {model}: {len(layers)} layers, {width} KV heads, {dense} dense) "
-                         f"does not fit this model ({num_layers} layers, {num_kv_heads} KV heads per rank, "
+                         f"does not fit this model ({num_layers} layers, {num_kv_heads} KV heads, "
                          f"dense_layers {dense_layers})")
         rows = [[c == "R" for c in x] for x in layers[dense:]]
-    return [[h for h, r in enumerate(row) if r] for row in rows]
+    heads = range(num_kv_heads) if heads is None else heads
+    return [[h - heads.start for h in heads if row[h]] for row in rows]

@@ -52,6 +52,7 @@ from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
 from sgl_sparsekv.select import select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.summary import summarize_units
+from sgl_sparsekv.tensor_parallel import KVShard
 from sgl_sparsekv.transfer import LateRead, to_device
 
 
@@ -140,12 +141,16 @@ def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, hea
 class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
-                 summary_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None):
+                 summary_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None,
+                 kv_shard: KVShard | None = None):
         """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins. ``summary_dtype``:
-        quest's page summaries and lychee's chunk keys."""
+        quest's page summaries and lychee's chunk keys. ``kv_shard``: which of the model's KV heads the
+        ``num_kv_heads`` are (under tensor parallelism); all of them by default."""
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
+        self.kv_shard = kv_shard or KVShard.whole(num_kv_heads)
+        assert self.kv_shard.count == num_kv_heads, (self.kv_shard, num_kv_heads)
         self.device = torch.device(device)
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
         pooled = cfg.method == "lychee"
@@ -510,6 +515,7 @@ class SparseKVManager:
         if self.pools is not None:
             out["index_bytes"] += self.pools.nbytes()
         out["cached_indexes"] = len(self.index_cache.entries)
+        out["kv_heads"] = [self.kv_shard.start, self.kv_shard.start + self.kv_shard.count]
         # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
         held = (self.store.keyed_units + self.store.unkeyed + sum(len(e.units) for e in self.index_cache.entries.values())
                 + sum(len(s.units) for s in self.states.values()))

@@ -83,7 +83,7 @@ def _sa(**kw):
     (dict(enable_two_batch_overlap=True), "--enable-two-batch-overlap"),
     (dict(enable_hierarchical_cache=True), "--enable-hierarchical-cache"),
     (dict(disaggregation_mode="prefill"), "--disaggregation-mode"),
-    (dict(tp_size=2), "--tp-size > 1"),
+    (dict(pp_size=2), "--pp-size > 1"),
     (dict(enable_dp_attention=True), "--enable-dp-attention"),
     (dict(attention_backend="fa3"), "--attention-backend fa3 is not supported"),
     (dict(decode_attention_backend="trtllm_mha"), "--decode-attention-backend trtllm_mha"),
@@ -97,6 +97,10 @@ def test_unsupported_server_flags(kw, needle):
 
 def test_disable_radix_cache_is_fine():
     check_server_args(_sa(disable_radix_cache=True), SparseKVConfig.from_method("lychee"))
+
+
+def test_tensor_and_data_parallel_are_accepted():
+    check_server_args(_sa(tp_size=2, dp_size=2), SparseKVConfig.from_method("lychee"))
 
 
 @pytest.mark.parametrize("hf,needle", [
@@ -201,7 +205,8 @@ def test_scheduler_refuses_a_dense_backend():
     cfg = SparseKVConfig.from_method("lychee").to_dict()
     runner = SimpleNamespace(attn_backend=object())
     sched = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=cfg, enable_metrics=False),
-                            tp_worker=SimpleNamespace(model_runner=runner), is_fully_idle=lambda: True)
+                            tp_worker=SimpleNamespace(model_runner=runner), is_fully_idle=lambda: True,
+                            ps=SimpleNamespace(tp_rank=0, dp_rank=None), tp_cpu_group=None)
     with pytest.raises(ConfigError, match="attention backend is object, not the sparse one"):
         check_scheduler(None, sched)
     off = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config={"method": "off"}))

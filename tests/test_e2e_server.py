@@ -220,3 +220,24 @@ def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
     n_all_units = len(chunker.cuts(cached))
     assert n_all_units - n_prompt_units >= 4  # the output itself spans several units
     assert s2["units_reused"] - s1["units_reused"] >= n_all_units
+
+
+def test_data_parallel_replicas_keep_their_own_state(smollm2_dir, smollm2_tokenizer):
+    """--dp-size 2: each replica runs its own sparse state behind SGLang's round-robin router, so a prompt is
+    indexed once per replica it reaches and its index is reused only where the radix cache holds its prefix."""
+    prompt, _ = passkey(smollm2_tokenizer, 1500, 0.5, seed=13)
+    ids = smollm2_tokenizer.encode("Data-parallel check. " + prompt)
+    with Server(smollm2_dir, "lychee", BUDGET, extra=["--dp-size", "2", "--max-total-tokens", "32768"]) as srv:
+        def replicas():
+            return sorted((s["sparse_kv_stats"] for s in srv.internal_states()), key=lambda st: st["dp_rank"])
+
+        before = replicas()
+        assert [st["dp_rank"] for st in before] == [0, 1]
+        for _ in range(3):   # round robin: replicas a, b, a
+            assert srv.generate_ids(ids, 4, ignore_eos=True)["meta_info"]["completion_tokens"] == 4
+        after = replicas()
+    delta = [{k: a[k] - b[k] for k in ("index_builds", "index_reused", "sparse_steps")} for a, b in zip(after, before)]
+    assert sorted(d["index_builds"] for d in delta) == [1, 1]   # each replica clustered the prompt once
+    assert sorted(d["index_reused"] for d in delta) == [0, 1]   # the third request found it cached on its replica
+    assert all(d["sparse_steps"] >= 3 for d in delta)
+    assert all(st["unit_refs_unaccounted"] == 0 for st in after)

@@ -13,14 +13,22 @@ MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
 
 
 @pytest.mark.gpu
-def test_stress_small(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_stress_small(tmp_path, tp):
+    import torch
+
     if not MKMODEL.exists():
         pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
     model = tmp_path / "tiny"
     subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
     out = tmp_path / "stress.json"
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_stress", "--small", "--model", str(model), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_stress", "--small", "--model", str(model), "--out", str(out),
+                        "--tp-size", str(tp)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     res = json.loads(out.read_text())
     assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
-    assert res["counts"]["complete"]["sent"] > 0 and res["stats_idle"]["grafts"] > 0
+    assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
+    assert all(st["grafts"] > 0 for st in res["stats_idle"])
+    heads = [tuple(st["kv_heads"]) for st in res["stats_idle"]]
+    assert len(set(heads)) == tp, heads   # the tiny model's 2 KV heads: each rank holds its own

@@ -49,6 +49,7 @@ class World:
         self.radix = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.req_pool,
                                                 token_to_kv_pool_allocator=self.alloc, page_size=1))
         watch_frees(self.manager, self.req_pool, self.alloc)
+        self.holders = [(self.manager, slice(None))]   # managers that keep state, with the KV heads each holds
         g = torch.Generator().manual_seed(seed)
         self.tok_emb = torch.randn(LAYERS, VOCAB, H, D, generator=g)
         self.pos_emb = torch.randn(LAYERS, 1024, H, D, generator=g) * 0.3
@@ -76,12 +77,14 @@ class World:
         self.req_pool.req_to_token[row, start:end] = slots.to(torch.int32)
         toks = torch.tensor(req.tokens[start:end])
         self.write_kv(slots, toks, torch.arange(start, end))
-        plan = self.manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
         req.decoded = 0
-        for l in range(LAYERS):
-            self.manager.pool_layer(l, self.k[l], plan)
-        # lychee places the prompt's index
-        self.manager.finish_extend([row], [end == len(req.tokens)], self.req_pool.req_to_token, lambda l: self.k[l])
+        for manager, heads in self.holders:
+            k = [self.k[l][:, heads] for l in range(LAYERS)]
+            plan = manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
+            for l in range(LAYERS):
+                manager.pool_layer(l, k[l], plan)
+            # lychee places the prompt's index
+            manager.finish_extend([row], [end == len(req.tokens)], self.req_pool.req_to_token, k.__getitem__)
 
     def forward_decode(self, req):
         row, pos = req.req_pool_idx, len(req.tokens)
