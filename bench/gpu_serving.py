@@ -144,6 +144,21 @@ def tpot_ratios(dense: dict, sparse: dict) -> dict:
             for ctx in dense["tpot_bs1"] if ctx in sparse["tpot_bs1"]}
 
 
+def summarize(res: dict) -> dict:
+    """Lychee over dense from one result (also for a result whose call was cut short after its measurements)."""
+    if "dense" in res and "lychee" in res:
+        d, s = res["dense"], res["lychee"]
+        res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
+        same = sum(x == y for x, y in zip(d["greedy_past_budget"], s["greedy_past_budget"]))
+        res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
+        res["tpot_ratio_lychee_over_dense"] = tpot_ratios(d, s)
+        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
+                       ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
+            if w in d and w in s:
+                res[key] = ratios(d[w], s[w])
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -196,17 +211,8 @@ def main():
         print(json.dumps({name: res[f"{name}_over_dense"]}))
         save()
     if "dense" in res and "lychee" in res:
-        d, s = res["dense"], res["lychee"]
-        res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
-        same = sum(x == y for x, y in zip(d["greedy_past_budget"], s["greedy_past_budget"]))
-        res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
-        res["tpot_ratio_lychee_over_dense"] = tpot_ratios(d, s)
-        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
-                       ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
-            if w in d and w in s:
-                res[key] = ratios(d[w], s[w])
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        summarize(res)
+        save()
         print(json.dumps({k: res.get(k) for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
                                                   "tpot_ratio_lychee_over_dense", "shared_prefix", "random_ids",
                                                   "random64", "shared64_c16", "shared64_c32")}))

@@ -128,6 +128,26 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def tensor_parallel_table(path: Path) -> str:
+    """Lychee over dense at TP 2 (this result) beside TP 1 (the result named in ``tp1_reference``)."""
+    tp2 = json.loads(path.read_text())
+    ref = tp2["tp1_reference"]
+    runs = [(json.loads((RESULTS / ref).read_text()), "1"), (tp2, "2")]
+    lines = [f"Tensor parallelism, Llama-3.1-8B shape, dummy weights, FlashInfer, CUDA graphs on, budget 1024, shared "
+             f"prefix at 32K (`{path.name}`; TP 1 from `{ref}`, an earlier session's machine: compare the ratios, "
+             "each from its own run, not the absolute numbers)", "",
+             "| TP | card | commit | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
+             "mean TTFT ratio | batch-1 TPOT at 32K, lychee / dense | lychee host ms per decode step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r, tp in runs:
+        d, s, sp = r["dense"]["shared"], r["lychee"]["shared"], r["shared_prefix"]
+        lines.append(f"| {tp} | {tp} x {r['device']} | {r.get('commit', '?')} | {d['output_throughput']:.0f} / "
+                     f"{s['output_throughput']:.0f} | {sp['throughput_ratio']:.2f}x | {d['median_itl_ms']:.1f} / "
+                     f"{s['median_itl_ms']:.1f} | {sp['mean_ttft_ratio']:.2f} | "
+                     f"{r['tpot_ratio_lychee_over_dense']['32768']:.2f} | {sp['lychee_host_ms_per_decode_step']} |")
+    return "\n".join(lines)
+
+
 def breakdown_table(path: Path) -> str:
     r = json.loads(path.read_text())
     lines = [f"A sparse layer's GPU time by kernel, {r['device']}: {r['what']} (`{path.relative_to(RESULTS.parent.parent)}`)",
@@ -370,6 +390,7 @@ def main():
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
                      ("selection_breakdown_tiles.json", hybrid_breakdown_table),
                      ("selection_breakdown_hybrid.json", hybrid_breakdown_table),
+                     ("gpu_serving_h100x2_tp2.json", tensor_parallel_table),
                      ("gpu_serving_h200.json", serving_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
                      ("gpu_serving_h100.json", serving_table),
