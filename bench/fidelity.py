@@ -116,6 +116,24 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     return res
 
 
+def same_answers(a: dict, b: dict) -> dict:
+    """Per (method, budget) run in both results: how many of the samples they share got the same answer text
+    (say TP 1 against TP 2, or the CPU against the GPU, on the same seeded samples)."""
+    def runs(res):
+        return {f"{r['method']}@{r['budget']}": r["counts"] for r in res["runs"]}
+
+    out = {}
+    ra, rb = runs(a), runs(b)
+    for key in ra.keys() & rb.keys():
+        same = total = 0
+        for cell in ra[key].keys() & rb[key].keys():
+            pairs = list(zip(ra[key][cell].get("digests", []), rb[key][cell].get("digests", [])))
+            same += sum(x == y for x, y in pairs)
+            total += len(pairs)
+        out[key] = {"same": same, "of": total}
+    return dict(sorted(out.items()))
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
 
@@ -163,7 +181,12 @@ def main():
     ap.add_argument("--tp-size", type=int, default=1, help="on the GPU: tensor parallelism of every server")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--compare", nargs=2, metavar="RESULT", help="print how many answers two results share, per run")
     a = ap.parse_args()
+    if a.compare:
+        with open(a.compare[0]) as f, open(a.compare[1]) as g:
+            print(json.dumps(same_answers(json.load(f), json.load(g)), indent=1))
+        return
     if a.quick:
         a.budgets, a.lengths, a.samples = [256], [2000], 2
         a.tasks = ["passkey", "niah_multikey", "json_value"]

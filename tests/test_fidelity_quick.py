@@ -28,6 +28,7 @@ def test_quick_mode(tmp_path, smollm2_dir):
             assert c["n"] == 2 and c["correct"] / c["n"] == r["scores"][cell]
             assert c["ci95"][0] <= r["scores"][cell] <= c["ci95"][1]
             assert len(c["failed"]) == c["n"] - c["correct"] and set(c["failed"]) <= {0, 1}
+            assert len(c["digests"]) == c["n"]
     # what the runner measures, not what a 135M model answers (accuracy claims live in the committed results)
     assert runs["off"]["kv_read"] == 1.0
     for name in ("lychee", "quest", "lychee-fixed"):
@@ -41,3 +42,17 @@ def test_wilson_interval(correct, n, lo, hi):
 
     got = wilson(correct, n)
     assert got == pytest.approx([lo, hi], abs=1e-4)
+
+
+def test_same_answers_counts_matching_digests():
+    from bench.fidelity import same_answers
+
+    def res(runs):
+        return {"runs": [{"method": m, "budget": b, "counts": {cell: {"digests": d} for cell, d in cells.items()}}
+                         for (m, b), cells in runs.items()]}
+
+    a = res({("lychee", 1024): {"passkey@16000": ["a", "b", "c"], "json_value@16000": ["x"]},
+             ("off", None): {"passkey@16000": ["a"]}})
+    b = res({("lychee", 1024): {"passkey@16000": ["a", "z", "c"], "json_value@16000": ["x"]},
+             ("quest", 1024): {"passkey@16000": ["a"]}})
+    assert same_answers(a, b) == {"lychee@1024": {"same": 3, "of": 4}}
