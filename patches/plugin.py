@@ -45,7 +45,20 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
     extra = bytes_per_token(cfg, num_layers, mc.get_num_kv_heads(get_attention_tp_size()), mc.head_dim,
                             summary_bytes=4 if runner.device == "cpu" else 2)   # the backend's summary dtype
     logger.info("sparse-kv: %d bytes per KV slot for unit summaries or index pools (KV itself: %d)", extra, cell_size)
+    if cfg.method == "lychee":
+        from sgl_sparsekv.index_cache import CACHE_BYTES
+
+        configurator.sparse_kv_reserved_bytes = CACHE_BYTES   # read by reserve_index_cache
     return cell_size + extra
+
+
+def reserve_index_cache(original, configurator, available_bytes, *args, **kwargs):
+    """SGLang sizes the KV pool from the bytes left after the weights: set lychee's index cache aside first."""
+    reserved = getattr(configurator, "sparse_kv_reserved_bytes", 0)
+    if reserved:
+        logger.info("sparse-kv: %.2f GiB of %.2f GiB set aside for cached indexes before sizing the KV pool",
+                    reserved / (1 << 30), available_bytes / (1 << 30))
+    return original(configurator, max(0, available_bytes - reserved), *args, **kwargs)
 
 
 def _sparse_backend(scheduler):
@@ -121,6 +134,7 @@ _HOOKS = {
     "server_args_init": (flags.server_args_init, HookType.AROUND),
     "wrap_attention_backend": (wrap_attention_backend, HookType.AROUND),
     "charge_index_memory": (charge_index_memory, HookType.AFTER),
+    "reserve_index_cache": (reserve_index_cache, HookType.AROUND),
     "note_batch_requests": (note_batch_requests, HookType.AFTER),
     "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),
     "check_scheduler": (check_scheduler, HookType.AFTER),

@@ -29,6 +29,8 @@ HOOK_TARGETS = {
     "wrap_attention_backend": "sglang.srt.model_executor.model_runner.ModelRunner._get_attention_backend",
     "charge_index_memory":
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+    "reserve_index_cache":
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
     "note_batch_requests": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "add_stats_to_internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "check_scheduler": "sglang.srt.managers.scheduler.Scheduler.__init__",

@@ -20,6 +20,10 @@ import torch
 
 from sgl_sparsekv.index import NEG_INF, ClusterIndex, scatter_sum
 
+# memory for cached indexes, at most; SGLang's memory plan sets it aside before sizing the KV pool
+# (patches/plugin.py: reserve_index_cache)
+CACHE_BYTES = 1 << 30
+
 
 @dataclass
 class CachedIndex:
@@ -53,7 +57,7 @@ def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex
 
 
 class IndexCache:
-    def __init__(self, store, max_entries: int = 16, max_bytes: int = 1 << 30, min_shared: float = 0.75):
+    def __init__(self, store, max_entries: int = 16, max_bytes: int = CACHE_BYTES, min_shared: float = 0.75):
         self.store = store
         self.entries: OrderedDict[int, CachedIndex] = OrderedDict()
         self.max_entries = max_entries

@@ -228,3 +228,28 @@ def test_surface_lists_every_hook():
     finally:
         HookRegistry._hooks.clear()
         HookRegistry._hooks.update(saved)
+
+
+@pytest.mark.parametrize("method,reserved", [("lychee", True), ("quest", False)])
+def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method, reserved):
+    """Lychee's cached indexes count in SGLang's memory plan: charge_index_memory adds the pools per KV slot and
+    marks the cache's bytes, which reserve_index_cache takes off the memory the KV pool is sized from."""
+    import sglang.srt.layers.dp_attention as dp
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    from sgl_sparsekv.index_cache import CACHE_BYTES
+    from sgl_sparsekv.patches.plugin import charge_index_memory, reserve_index_cache
+
+    monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
+    mc = SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128)
+    runner = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=SparseKVConfig.from_method(method).to_dict()),
+                             is_draft_worker=False, model_config=mc, device="cuda")
+    conf = object.__new__(DefaultPoolConfigurator)
+    kv = 32 * 8 * 128 * 2 * 2
+    conf._cell_size = charge_index_memory(kv, conf, runner, 32)
+    assert conf._cell_size > kv
+    original = getattr(DefaultPoolConfigurator.calculate_pool_sizes, "__wrapped__",
+                       DefaultPoolConfigurator.calculate_pool_sizes)
+    available = 40 * CACHE_BYTES
+    tokens = reserve_index_cache(original, conf, available, 1).max_total_num_tokens
+    assert tokens == (available - (CACHE_BYTES if reserved else 0)) // conf._cell_size
