@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
+from sgl_sparsekv.tensor_parallel import KVShard
 
 SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
 
@@ -49,7 +50,7 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
     if getattr(sa, "device", None) != "cpu" and prefill_graphs:
         bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
             "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
-    check_model(_hf_config(sa), cfg)
+    check_model(_hf_config(sa), cfg, tp_size=getattr(sa, "tp_size", 1) or 1)
 
 
 def _hf_config(sa):
@@ -62,8 +63,9 @@ def _hf_config(sa):
         return None
 
 
-def check_model(hf, cfg: SparseKVConfig) -> None:
-    """Reject model families whose attention the sparse path would get wrong."""
+def check_model(hf, cfg: SparseKVConfig, tp_size: int = 1) -> None:
+    """Reject model families whose attention the sparse path would get wrong, and KV heads that ``--tp-size``
+    does not shard evenly."""
     if hf is None:
         return
     text = getattr(hf, "text_config", None) or hf
@@ -89,13 +91,15 @@ def check_model(hf, cfg: SparseKVConfig) -> None:
         raise ConfigError(f"sparse-kv config: dense_layers ({cfg.dense_layers}) must be < the model's "
                           f"{layers} layers, or no layer is sparse")
     kv_heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if kv_heads is not None:
+        KVShard.of_rank(kv_heads, tp_size, 0)
     if cfg.method == "lychee" and layers is not None and kv_heads is not None:
         head_roles.resolve(cfg.head_roles, layers, kv_heads, cfg.dense_layers)
 
 
 def check_runner(runner, cfg: SparseKVConfig) -> None:
     """The same model checks in the scheduler, on the config SGLang actually loaded."""
-    check_model(runner.model_config.hf_config, cfg)
+    check_model(runner.model_config.hf_config, cfg, tp_size=runner.tp_size)
     graphs = getattr(runner.server_args, "cuda_graph_config", None)
     decode_graphs = graphs is not None and getattr(graphs.decode, "backend", "disabled") != "disabled"
     if cfg.method == "quest" and runner.device != "cpu" and decode_graphs:

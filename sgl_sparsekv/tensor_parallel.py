@@ -4,13 +4,15 @@ SGLang shards attention by heads (``QKVParallelLinear``): with ``tp_size`` ranks
 ``r`` holds heads ``[r * total // tp_size, (r + 1) * total // tp_size)``; with more ranks than KV heads each rank
 holds one head, replicated on ``tp_size // total`` consecutive ranks. Everything a rank keeps (index pools,
 unit store, index cache) covers only its heads; what depends on token ids alone (chunk cuts) comes out the same
-on every rank. Head roles are given for the whole model and sliced here, so a head retrieves or reuses exactly
-as it would on one GPU.
+on every rank. Head roles are given for the whole model and each rank takes its heads' roles
+(``head_roles.resolve(..., heads=shard.heads)``), so a head retrieves or reuses exactly as it would on one GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sgl_sparsekv.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -25,8 +27,6 @@ class KVShard:
 
     @classmethod
     def of_rank(cls, total: int, tp_size: int, tp_rank: int) -> "KVShard":
-        from sgl_sparsekv.config import ConfigError
-
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
         if tp_size >= total:

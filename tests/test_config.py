@@ -101,6 +101,10 @@ def test_disable_radix_cache_is_fine():
 
 def test_tensor_and_data_parallel_are_accepted():
     check_server_args(_sa(tp_size=2, dp_size=2), SparseKVConfig.from_method("lychee"))
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=32, num_key_value_heads=8)
+    check_model(llama, SparseKVConfig.from_method("lychee"), tp_size=16)   # each KV head on two ranks
+    with pytest.raises(ConfigError, match="8 KV heads do not split evenly over --tp-size 3"):
+        check_model(llama, SparseKVConfig.from_method("lychee"), tp_size=3)
 
 
 @pytest.mark.parametrize("hf,needle", [
