@@ -163,7 +163,7 @@ def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
             decoder.attend(q, k_pool[l], v_pool[l], l - cfg.dense_layers, r2t, d ** -0.5)
             mask = torch.zeros(H, t + 1, dtype=torch.bool, device=dev)
             for h in range(H):
-                w = decoder.windows[h * decoder.cap:h * decoder.cap + int(decoder.lens[h])].long()
+                w = decoder.token_list(h).long()
                 mask[h, w - 1] = True
             out[(l, t)] = mask
     return out

@@ -14,8 +14,9 @@ instance:
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
 Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-1, one chunk per fine cluster)
-over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One method per device call fits the 10-minute limit: ``--resume``
-adds this call's methods (or more of a method's measurements) to the result of an earlier call on the same machine.
+over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One
+method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a method's
+measurements) to the result of an earlier call on the same machine.
 """
 
 from __future__ import annotations
@@ -144,16 +145,29 @@ def tpot_ratios(dense: dict, sparse: dict) -> dict:
             for ctx in dense["tpot_bs1"] if ctx in sparse["tpot_bs1"]}
 
 
+# lychee over dense per workload, stored under these keys
+RATIO_KEYS = {"shared": "shared_prefix", "random": "random_ids", "random64": "random64",
+              "shared64_c16": "shared64_c16", "shared64_c32": "shared64_c32"}
+SUMMARY = ("greedy_equal_within_budget", "greedy_past_budget_same_tokens", "tpot_ratio_lychee_over_dense",
+           *RATIO_KEYS.values())
+
+
 def summarize(res: dict) -> dict:
-    """Lychee over dense from one result (also for a result whose call was cut short after its measurements)."""
-    if "dense" in res and "lychee" in res:
-        d, s = res["dense"], res["lychee"]
+    """Each variant, and lychee, over dense from one result (also for a result whose call was cut short after its
+    measurements)."""
+    if "dense" not in res:
+        return res
+    d = res["dense"]
+    for name in (n for n in VARIANTS if n != "lychee" and n in res):
+        res[f"{name}_over_dense"] = {"tpot_bs1": tpot_ratios(d, res[name]),
+                                     **{w: ratios(d[w], res[name][w]) for w in res[name] if w in WORKLOADS and w in d}}
+    if "lychee" in res:
+        s = res["lychee"]
         res["greedy_equal_within_budget"] = d["greedy_within_budget"] == s["greedy_within_budget"]
         same = sum(x == y for x, y in zip(d["greedy_past_budget"], s["greedy_past_budget"]))
         res["greedy_past_budget_same_tokens"] = f"{same}/{len(d['greedy_past_budget'])}"
         res["tpot_ratio_lychee_over_dense"] = tpot_ratios(d, s)
-        for w, key in (("shared", "shared_prefix"), ("random", "random_ids"), ("random64", "random64"),
-                       ("shared64_c16", "shared64_c16"), ("shared64_c32", "shared64_c32")):
+        for w, key in RATIO_KEYS.items():
             if w in d and w in s:
                 res[key] = ratios(d[w], s[w])
     return res
@@ -201,21 +215,13 @@ def main():
 
     for name in a.methods:
         method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
-        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log", timeout=900) as srv:
+        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log",
+                    timeout=900) as srv:
             measure(srv, a, name, res.setdefault(name, {}), save)
         save()
-    for name in (n for n in VARIANTS if n != "lychee" and n in res and "dense" in res):
-        res[f"{name}_over_dense"] = {"tpot_bs1": tpot_ratios(res["dense"], res[name]),
-                                     **{w: ratios(res["dense"][w], res[name][w]) for w in res[name] if w in WORKLOADS
-                                        and w in res["dense"]}}
-        print(json.dumps({name: res[f"{name}_over_dense"]}))
-        save()
-    if "dense" in res and "lychee" in res:
-        summarize(res)
-        save()
-        print(json.dumps({k: res.get(k) for k in ("greedy_equal_within_budget", "greedy_past_budget_same_tokens",
-                                                  "tpot_ratio_lychee_over_dense", "shared_prefix", "random_ids",
-                                                  "random64", "shared64_c16", "shared64_c32")}))
+    summarize(res)
+    save()
+    print(json.dumps({k: v for k, v in res.items() if k in SUMMARY or k.endswith("_over_dense")}))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ BUDGET = 1024
 
 
 def server_args(small: bool, tp_size: int = 1) -> list[str]:
-    return ["--tp-size", str(tp_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
-            "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
+    return ["--tp-size", str(tp_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend",
+            "pytorch", "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
             "--max-total-tokens", "40000" if small else "262144", "--context-length", "70000",
             "--mem-fraction-static", "0.8", "--enable-metrics"]
 

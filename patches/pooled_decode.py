@@ -60,6 +60,10 @@ class PooledDecode:
         self.layer_heads = [every] * pools.layers if roles is None else [
             torch.tensor(r, dtype=torch.int32, device=dev) if r else None for r in roles]
 
+    def token_list(self, j: int) -> torch.Tensor:
+        """The KV slots list ``j`` (batch row * KV heads + head) attended to in the last ``attend``."""
+        return self.windows[j * self.cap:j * self.cap + int(self.lens[j])]
+
     def fill_idle(self, bs: int) -> None:
         """Safe contents for capture: every row a one-token dense request on request row 0."""
         for t in self.fields:

@@ -134,7 +134,7 @@ class TwinWorld(World):
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
-        cap, scale = self.cfg.token_budget, D ** -0.5
+        scale = D ** -0.5
         inherited = {}   # hybrid heads: each request's masks as the last retrieval head of each KV head left them
         for l in range(self.cfg.dense_layers, LAYERS):
             q = torch.randn(padded, H * G, D, generator=self.qgen)
@@ -148,7 +148,7 @@ class TwinWorld(World):
                     mask[h] = own[h]
                 for h in range(H):
                     j = i * H + h
-                    got = self.decoder.windows[j * cap:j * cap + int(self.decoder.lens[j])].tolist()
+                    got = self.decoder.token_list(j).tolist()
                     want = r2t[row, :S][mask[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
                     self.lists_checked += 1

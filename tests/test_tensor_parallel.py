@@ -66,7 +66,7 @@ class ShardedWorld(TwinWorld):
 
     def decode_compare(self, reqs):
         rows, seqs, toks = self.append_tokens(reqs)
-        r2t, cap, scale = self.req_pool.req_to_token, self.cfg.token_budget, D ** -0.5
+        r2t, scale = self.req_pool.req_to_token, D ** -0.5
         self.decoder.prepare(rows, seqs, len(rows), r2t, toks, lambda l: self.k[l])
         for _, heads, _, dec in self.ranks:
             dec.prepare(rows, seqs, len(rows), r2t, toks, lambda l, h=heads: self.k[l][:, h])
@@ -82,8 +82,7 @@ class ShardedWorld(TwinWorld):
                 for i in range(len(rows)):
                     for hl in range(shard.count):
                         j, jw = i * shard.count + hl, i * H + shard.start + hl
-                        got = dec.windows[j * cap:j * cap + int(dec.lens[j])].tolist()
-                        want = self.decoder.windows[jw * cap:jw * cap + int(self.decoder.lens[jw])].tolist()
+                        got, want = dec.token_list(j).tolist(), self.decoder.token_list(jw).tolist()
                         assert sorted(got) == sorted(want), (l, rows[i], shard, hl)
                         self.compared += 1
 
