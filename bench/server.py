@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import requests
@@ -28,6 +29,25 @@ def free_port() -> int:
                 return port
             except OSError:
                 continue
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)   # unwinds the `with Server(...)` blocks, which stop their servers
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 class Server:
@@ -53,30 +73,48 @@ class Server:
 
     def __enter__(self):
         self.log = open(self.log_path, "w")
+        # the server runs in its own session, so a driver stopped by `timeout` (SIGTERM) must stop it itself:
+        # otherwise the next server on that GPU finds its memory taken
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True, cwd=tempfile.gettempdir())
+        try:
+            self._wait_ready()
+        except BaseException:   # `with` calls __exit__ only once __enter__ returned: a failed start stops here
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_ready(self):
         deadline = time.time() + self.timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
-                    return self
+                    return
             except requests.RequestException:
                 pass
             time.sleep(1)
-        self.__exit__()
         raise TimeoutError(f"server not ready after {self.timeout}s; log:\n{self.tail()}")
 
     def __exit__(self, *exc):
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        """Stops the server's whole process group (its schedulers hold the GPU memory) and waits until it is
+        gone, so the next server on these GPUs finds their memory free."""
+        if self.proc:
+            group = self.proc.pid
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                _signal_group(group, sig)
+                deadline = time.time() + 30
+                while _group_alive(group) and time.time() < deadline:
+                    self.proc.poll()   # reaps the launcher, else it stays a zombie member of the group
+                    time.sleep(0.2)
+                if not _group_alive(group):
+                    break
+            self.proc.wait()
+            self.proc = None
         self.log.close()
 
     def tail(self, n: int = 60) -> str:

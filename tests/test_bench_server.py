@@ -1,0 +1,56 @@
+"""bench.server.Server stops its server's whole process group, also when the driver is stopped by SIGTERM (as
+`timeout` does on the GPU machine) while the server is still starting: a server left behind holds the GPU memory
+the next one needs."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a fake launcher: it starts a child (a scheduler stands in), prints both pids and never becomes healthy
+FAKE_LAUNCHER = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+DRIVER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {root!r})
+    from bench.server import Server
+    srv = Server("unused", log_path={log!r}, timeout=600)
+    srv.args = [sys.executable, "-c", {launcher!r}]
+    print("starting", flush=True)
+    with srv:
+        pass
+""")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie awaiting its reaper holds no memory
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_sigterm_while_starting_stops_the_server_and_its_children(tmp_path):
+    log = tmp_path / "server.log"
+    code = DRIVER.format(root=str(ROOT), log=str(log), launcher=FAKE_LAUNCHER)
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert driver.stdout.readline().strip() == "starting"
+    deadline = time.time() + 30
+    while not log.read_text().strip() and time.time() < deadline:   # the fake launcher wrote its child's pid
+        time.sleep(0.1)
+    child = int(log.read_text().split()[0])
+    assert alive(child)
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(60) == 128 + signal.SIGTERM
+    assert not alive(child), "the server's child outlived the driver"
