@@ -116,22 +116,40 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     return res
 
 
+def shared(counts_a: dict, counts_b: dict) -> dict:
+    """How many samples two runs' counts (cell -> digests) both answered with the same text."""
+    same = total = 0
+    for cell in counts_a.keys() & counts_b.keys():
+        pairs = list(zip(counts_a[cell].get("digests", []), counts_b[cell].get("digests", [])))
+        same += sum(x == y for x, y in pairs)
+        total += len(pairs)
+    return {"same": same, "of": total}
+
+
+def runs_by_key(res: dict) -> dict:
+    return {f"{r['method']}@{r['budget']}": r["counts"] for r in res["runs"]}
+
+
 def same_answers(a: dict, b: dict) -> dict:
     """Per (method, budget) run in both results: how many of the samples they share got the same answer text
     (say TP 1 against TP 2, or the CPU against the GPU, on the same seeded samples)."""
-    def runs(res):
-        return {f"{r['method']}@{r['budget']}": r["counts"] for r in res["runs"]}
+    ra, rb = runs_by_key(a), runs_by_key(b)
+    return {key: shared(ra[key], rb[key]) for key in sorted(ra.keys() & rb.keys())}
 
-    out = {}
-    ra, rb = runs(a), runs(b)
-    for key in ra.keys() & rb.keys():
-        same = total = 0
-        for cell in ra[key].keys() & rb[key].keys():
-            pairs = list(zip(ra[key][cell].get("digests", []), rb[key][cell].get("digests", [])))
-            same += sum(x == y for x, y in pairs)
-            total += len(pairs)
-        out[key] = {"same": same, "of": total}
-    return dict(sorted(out.items()))
+
+def same_as_dense(res: dict) -> dict:
+    """Per sparse (method, budget) run: how many of its answers are the dense run's answer, text for text."""
+    runs = runs_by_key(res)
+    dense = runs.pop("off@None", None)
+    return {} if dense is None else {key: shared(dense, c) for key, c in sorted(runs.items())}
+
+
+def compare(a: dict, b: dict, labels=("a", "b")) -> dict:
+    """Two results of the same seeded samples (say TP 1 and TP 2): the answers they share per run, and within each
+    result the answers its sparse runs share with its dense run."""
+    return {"labels": list(labels), "same_answers": same_answers(a, b),
+            "same_as_dense": {labels[0]: same_as_dense(a), labels[1]: same_as_dense(b)},
+            "results": {labels[0]: a, labels[1]: b}}
 
 
 def plot(res: dict, path: str) -> None:
@@ -181,11 +199,18 @@ def main():
     ap.add_argument("--tp-size", type=int, default=1, help="on the GPU: tensor parallelism of every server")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--compare", nargs=2, metavar="RESULT", help="print how many answers two results share, per run")
+    ap.add_argument("--compare", nargs=2, metavar="RESULT",
+                    help="how many answers two results share, per run, and each sparse run with its dense run; with "
+                         "--out, both results and the comparison are written there")
+    ap.add_argument("--labels", nargs=2, default=("a", "b"), help="with --compare: the two results' names")
     a = ap.parse_args()
     if a.compare:
         with open(a.compare[0]) as f, open(a.compare[1]) as g:
-            print(json.dumps(same_answers(json.load(f), json.load(g)), indent=1))
+            both = compare(json.load(f), json.load(g), a.labels)
+        print(json.dumps({k: v for k, v in both.items() if k != "results"}, indent=1))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(both, f, indent=1)
         return
     if a.quick:
         a.budgets, a.lengths, a.samples = [256], [2000], 2

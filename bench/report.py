@@ -367,9 +367,40 @@ def fidelity_runs_table(path: Path) -> str:
                     ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read"], rows)
 
 
+def tp_fidelity_table(path: Path) -> str:
+    """The same seeded samples at TP 1 and TP 2 (``bench.fidelity --compare``): answers right per task, the answers
+    a sparse run shares with dense at the same TP, and the answers each run shares with itself at the other TP."""
+    from bench.fidelity import wilson
+
+    c = json.loads(path.read_text())
+    first = c["results"][c["labels"][0]]
+    n = first["lengths"][0]
+    tasks = first["tasks"]
+    rows = []
+    for label in c["labels"]:
+        r = c["results"][label]
+        for run in r["runs"]:
+            key = f"{run['method']}@{run['budget']}"
+            counts = run["counts"]
+            ok, tot = sum(v["correct"] for v in counts.values()), sum(v["n"] for v in counts.values())
+            lo, hi = wilson(ok, tot)
+            dense = c["same_as_dense"][label].get(key)
+            other = c["same_answers"].get(key)
+            rows.append((label, run["method"], run["budget"] or "dense",
+                         *(counts[f"{t}@{n}"]["correct"] for t in tasks), f"{ok}/{tot} ({lo:.2f}-{hi:.2f})",
+                         f"{dense['same']}/{dense['of']}" if dense else "-",
+                         f"{other['same']}/{other['of']}" if other else "-"))
+    return md_table(f"Tensor parallelism and answers, {first['model']}, real weights, {n} tokens, {first['samples']} "
+                    f"samples per task, {first['device']}, commit {first['commit']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["TP", "method", "budget", *tasks, "total (95% CI)", "answer text as dense's",
+                     f"answer text as at {' / '.join(c['labels'])}"], rows)
+
+
 def main():
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
+                     ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_variable_tracking_4k.json", recall_table),
                      ("attention_recall_qwen_niah_multivalue_4k.json", recall_table),
                      ("attention_recall_qwen_variable_tracking_16k.json", recall_table),

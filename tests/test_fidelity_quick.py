@@ -56,3 +56,19 @@ def test_same_answers_counts_matching_digests():
     b = res({("lychee", 1024): {"passkey@16000": ["a", "z", "c"], "json_value@16000": ["x"]},
              ("quest", 1024): {"passkey@16000": ["a"]}})
     assert same_answers(a, b) == {"lychee@1024": {"same": 3, "of": 4}}
+
+
+def test_compare_counts_answers_shared_across_results_and_with_dense():
+    from bench.fidelity import compare
+
+    def res(runs):
+        return {"runs": [{"method": m, "budget": b, "counts": {"passkey@2000": {"digests": d}}}
+                         for (m, b), d in runs.items()]}
+
+    tp1 = res({("off", None): ["a", "b", "c", "d"], ("lychee", 1024): ["a", "x", "c", "y"]})
+    tp2 = res({("off", None): ["a", "b", "z", "d"], ("lychee", 1024): ["a", "x", "w", "d"]})
+    got = compare(tp1, tp2, ("tp1", "tp2"))
+    assert got["same_answers"] == {"lychee@1024": {"same": 2, "of": 4}, "off@None": {"same": 3, "of": 4}}
+    assert got["same_as_dense"] == {"tp1": {"lychee@1024": {"same": 2, "of": 4}},
+                                    "tp2": {"lychee@1024": {"same": 2, "of": 4}}}
+    assert got["results"]["tp2"] is tp2
