@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from bench.tasks import passkey
-from sgl_sparsekv.chunking import BoundaryTable, Chunker
+from sgl_sparsekv.chunking import SENTENCE, BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.summary import summarize_units
@@ -90,10 +90,29 @@ def token_bound_chunks(index, kbuf, starts, ends, q, budget: int, reduce: str, p
     return take if per_chunk else take.gather(1, index.chunk_fine)
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "") -> dict:
+def query_spans(ids, positions, table, query: str) -> dict:
+    """{t: (first, last)}: the positions whose mean query selects for the step at ``t``. ``own``: t itself;
+    ``previous``: t - 1 (RACC: adjacent steps attend alike, so a step's selection could run one step ahead);
+    ``sentence``: SentenceKV's sentence query, the mean over the steps of the sentence being generated (from the
+    first decode step, or the step after the last token that ends a sentence, up to t)."""
+    if query == "own":
+        return {t: (t, t) for t in positions}
+    if query == "previous":
+        return {t: (t - 1, t - 1) for t in positions}
+    strength = table.cut_strength(np.asarray(ids))
+    spans, start = {}, positions[0]
+    for t in positions:
+        spans[t] = (start, t)
+        if strength[t] >= SENTENCE:         # the token at t ends a sentence: the next step starts a new one
+            start = t + 1
+    return spans
+
+
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "", query: str = "own") -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
     through the reference functions the server's kernels are tested against (``token_bound`` "cluster" or
-    "chunk": ranked by :func:`token_bound_chunks`)."""
+    "chunk": ranked by :func:`token_bound_chunks`; ``query``: which query selects, see :func:`query_spans`)."""
+    spans = query_spans(ids, positions, table, query)
     dev = layers[0][1].device
     if cfg.method == "lychee":
         chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
@@ -113,7 +132,8 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
                 continue
             H, _, d = k_all.shape
             kbuf = k_all[:, :seq].transpose(0, 1)       # [seq, H, d] like a KV pool, slot = position
-            q = q_all[:, t].view(H, -1, d)
+            first, last = spans[t]
+            q = q_all[:, first:last + 1].mean(1).view(H, -1, d)
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
@@ -214,7 +234,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = served_masks(cfg, ids, layers, positions, table)
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
-        masks = own_masks(cfg, ids, layers, positions, table, bound)
+        query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
+        masks = own_masks(cfg, ids, layers, positions, table, bound, query)
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
@@ -253,7 +274,10 @@ VARIANTS = {
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},
     "lychee-fixed-chunks": {"chunking": "fixed"},
+    "lychee-previous-query": {},
+    "lychee-sentence-query": {},
     "quest": {},
+    "quest-previous-query": {},
     "quest-gqa-mean": {"gqa_reduce": "mean"},
 }
 
@@ -277,6 +301,25 @@ def samples(tok, a):
     return out
 
 
+METRICS = ("mass_recall", "mass_recall_min", "topk_recall", "out_rel_err", "kv_read")
+
+
+def merge(results: list[dict]) -> dict:
+    """Several ``--task`` results of one model, budget and length -> per task, each variant's summary (no per-layer
+    rows), and each variant's mean over the tasks."""
+    first = results[0]
+    assert all((r["model"], r["budget"], r["length"]) == (first["model"], first["budget"], first["length"])
+               for r in results), "results of different models, budgets or lengths"
+    tasks = {r["task"]: {"samples": [s["sample"] for s in r["samples"]],
+                         "variants": {v: {k: round(x[k], 4) for k in METRICS} for v, x in r["variants"].items()}}
+             for r in results}
+    variants = [v for v in first["variants"] if all(v in t["variants"] for t in tasks.values())]
+    mean = {v: {k: round(float(np.mean([t["variants"][v][k] for t in tasks.values()])), 4) for k in METRICS}
+            for v in variants}
+    return {"model": first["model"], "device": first["device"], "budget": first["budget"], "length": first["length"],
+            "tasks": tasks, "mean_over_tasks": mean}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default="models/smollm2")
@@ -289,8 +332,18 @@ def main():
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--explain", type=int, default=0, help="per sample and variant, the N worst-covered query "
                     "heads with dense attention's top tokens")
+    ap.add_argument("--merge", nargs="+", metavar="RESULT", help="merge --task results into one (per task and "
+                    "the mean over tasks), written to --out")
     ap.add_argument("--out", default="bench/results/attention_recall_smollm2.json")
     a = ap.parse_args()
+    if a.merge:
+        results = []
+        for path in a.merge:
+            with open(path) as f:
+                results.append(json.load(f))
+        with open(a.out, "w") as f:
+            json.dump(merge(results), f, indent=1)
+        return
     tok, model = load(a.model_dir, a.device)
     table = BoundaryTable.from_tokenizer(tok)
     res = {"model": a.model_dir, "device": torch.cuda.get_device_name() if a.device != "cpu" else "CPU",

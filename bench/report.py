@@ -367,6 +367,19 @@ def fidelity_runs_table(path: Path) -> str:
                     ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read"], rows)
 
 
+def merged_recall_table(path: Path) -> str:
+    """``attention_recall --merge``: attention-mass recall per task and variant, and the mean over tasks."""
+    r = json.loads(path.read_text())
+    tasks = list(r["tasks"])
+    n = sum(len(t["samples"]) for t in r["tasks"].values())
+    rows = [(v, *(f"{r['tasks'][t]['variants'][v]['mass_recall']:.3f}" for t in tasks),
+             f"{m['mass_recall']:.3f}", f"{m['out_rel_err']:.3f}", f"{m['kv_read']:.1%}")
+            for v, m in r["mean_over_tasks"].items()]
+    return md_table(f"{r.get('what', 'Attention-mass recall')}, {r['model']}, {r['length']} tokens, budget "
+                    f"{r['budget']}, {n} samples, {r['device']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["variant", *tasks, "mean", "output error (mean)", "KV read"], rows)
+
+
 def tp_fidelity_table(path: Path) -> str:
     """The same seeded samples at TP 1 and TP 2 (``bench.fidelity --compare``): answers right per task, the answers
     a sparse run shares with dense at the same TP, and the answers each run shares with itself at the other TP."""

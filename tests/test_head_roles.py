@@ -160,3 +160,38 @@ def test_map_roles_round_trip(name):
     roles = roles_array(name, *SHAPES[data["model"]], 2)
     assert head_roles.to_strings(roles, data["dense_layers"]) == data["layers"]
     assert int(roles.sum()) == data["retrieval_heads"]
+
+
+def test_query_spans_previous_and_sentence():
+    import numpy as np
+
+    from bench.attention_recall import query_spans
+    from sgl_sparsekv.chunking import BoundaryTable
+
+    table = BoundaryTable.from_texts(["a", " b", ".", " c", "\n"])
+    ids = np.array([0, 1, 0, 1, 2, 3, 0, 4, 1, 0])
+    positions = [3, 4, 5, 6, 7, 8]
+    assert query_spans(ids, positions, table, "own") == {t: (t, t) for t in positions}
+    assert query_spans(ids, positions, table, "previous") == {t: (t - 1, t - 1) for t in positions}
+    # "." at 4 and "\n" at 7 end sentences: the steps after them start new sentence queries
+    assert query_spans(ids, positions, table, "sentence") == {3: (3, 3), 4: (3, 4), 5: (5, 5), 6: (5, 6),
+                                                              7: (5, 7), 8: (8, 8)}
+
+
+def test_merge_recall_results_per_task_and_mean():
+    import pytest
+
+    from bench.attention_recall import merge
+
+    def res(task, mass):
+        return {"model": "m", "device": "CPU", "budget": 256, "length": 4000, "task": task,
+                "samples": [{"sample": f"{task}/0"}],
+                "variants": {v: {"mass_recall": x, "mass_recall_min": 0.1, "topk_recall": 0.5, "out_rel_err": 0.2,
+                                 "kv_read": 0.05, "per_layer": []} for v, x in mass.items()}}
+
+    got = merge([res("a", {"lychee": 0.8, "quest": 0.7}), res("b", {"lychee": 0.9, "quest": 0.6, "extra": 1.0})])
+    assert got["tasks"]["b"]["variants"]["extra"]["mass_recall"] == 1.0
+    assert set(got["mean_over_tasks"]) == {"lychee", "quest"}       # only variants every task has
+    assert got["mean_over_tasks"]["lychee"]["mass_recall"] == pytest.approx(0.85)
+    with pytest.raises(AssertionError):
+        merge([res("a", {"lychee": 0.8}), {**res("b", {"lychee": 0.8}), "budget": 512}])
