@@ -90,6 +90,34 @@ def token_bound_chunks(index, kbuf, starts, ends, q, budget: int, reduce: str, p
     return take if per_chunk else take.gather(1, index.chunk_fine)
 
 
+def recall_curves(cfg: SparseKVConfig, ids, layers, positions, table, levels) -> np.ndarray:
+    """[layers, KV heads, levels]: the attention mass lychee's own selection keeps with each budget of ``levels``,
+    averaged over the queries at ``positions`` and the group's query heads."""
+    out = np.zeros((len(layers), layers[0][1].shape[0], len(levels)))
+    for i, b in enumerate(levels):
+        uniform = np.full(out.shape[:2], b)
+        for (l, t), m in own_masks(cfg, ids, layers, positions, table, budgets=uniform).items():
+            out[l, :, i] += mask_metrics(layers[l], t, m, b)[:, 0] / len(positions)
+    return out
+
+
+def adaptive_budgets(recall: np.ndarray, levels, budget: int, first: int) -> np.ndarray:
+    """Token budget per (layer, KV head), one of ``levels``: each sparse layer's head takes the level that maximizes
+    its kept mass minus ``lam`` per token, ``lam`` bisected so the heads read at most ``budget`` on average."""
+    levels = np.asarray(levels)
+
+    def pick(lam):
+        return levels[np.argmax(recall[first:] - lam * levels, axis=-1)]
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pick(mid).mean() > budget else (lo, mid)
+    out = np.full(recall.shape[:2], budget, dtype=np.int64)
+    out[first:] = pick(hi)
+    return out
+
+
 def query_spans(ids, positions, table, query: str) -> dict:
     """{t: (first, last)}: the positions whose mean query selects for the step at ``t``. ``own``: t itself;
     ``previous``: t - 1 (RACC: adjacent steps attend alike, so a step's selection could run one step ahead);
@@ -108,10 +136,12 @@ def query_spans(ids, positions, table, query: str) -> dict:
     return spans
 
 
-def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "", query: str = "own") -> dict:
+def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "", query: str = "own",
+              budgets: np.ndarray | None = None) -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
     through the reference functions the server's kernels are tested against (``token_bound`` "cluster" or
-    "chunk": ranked by :func:`token_bound_chunks`; ``query``: which query selects, see :func:`query_spans`)."""
+    "chunk": ranked by :func:`token_bound_chunks`; ``query``: which query selects, see :func:`query_spans`;
+    ``budgets``: lychee, a token budget per (layer, KV head) instead of ``cfg.token_budget``)."""
     spans = query_spans(ids, positions, table, query)
     dev = layers[0][1].device
     if cfg.method == "lychee":
@@ -134,6 +164,8 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
             kbuf = k_all[:, :seq].transpose(0, 1)       # [seq, H, d] like a KV pool, slot = position
             first, last = spans[t]
             q = q_all[:, first:last + 1].mean(1).view(H, -1, d)
+            if budgets is not None:
+                budget = torch.as_tensor(budgets[l], dtype=torch.float32, device=dev)[:, None] - sink - recent
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
                 index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
@@ -227,15 +259,17 @@ def summarize(per: dict) -> dict:
     return dict(**agg, per_layer=per_layer)
 
 
-def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str = ""):
+def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str = "", budgets=None):
     """({(layer, t): [H, 5] metrics}, {(layer, t): mask}) of the queries at ``positions``; ``variant``: one of
-    VARIANTS (``-served``: selected through the manager and the pooled decode path)."""
+    VARIANTS (``-served``: selected through the manager and the pooled decode path; ``-adaptive-budget``: with
+    ``budgets`` per (layer, KV head))."""
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
         query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
-        masks = own_masks(cfg, ids, layers, positions, table, bound, query)
+        masks = own_masks(cfg, ids, layers, positions, table, bound, query,
+                          budgets if variant.endswith("-adaptive-budget") else None)
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
@@ -276,6 +310,7 @@ VARIANTS = {
     "lychee-fixed-chunks": {"chunking": "fixed"},
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
+    "lychee-adaptive-budget": {},
     "quest": {},
     "quest-previous-query": {},
     "quest-gqa-mean": {"gqa_reduce": "mean"},
@@ -351,11 +386,24 @@ def main():
     cfgs = {v: SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
             for v in a.variants}
     per = {name: {} for name in a.variants}
+    budgets = None
+    if any(v.endswith("-adaptive-budget") for v in a.variants):
+        from bench.head_roles import CALIBRATE
+        from bench.tasks import make
+
+        cfg0 = cfgs[next(v for v in a.variants if v.endswith("-adaptive-budget"))]
+        ids = np.asarray(tok(make(CALIBRATE[0], tok, a.length, CALIBRATE[1]).prompt).input_ids)
+        levels = [a.budget // 2, a.budget, 2 * a.budget, 4 * a.budget]   # the lowest above sink + recent
+        recall = recall_curves(cfg0, ids, capture(model, ids), range(len(ids) - 16, len(ids)), table, levels)
+        budgets = adaptive_budgets(recall, levels, a.budget, cfg0.dense_layers)
+        res["adaptive_budget"] = {"calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids),
+                                                  "queries": 16},
+                                  "levels": levels, "recall": np.round(recall, 4).tolist(), "budgets": budgets.tolist()}
     for name, ids, positions in samples(tok, a):
         layers = capture(model, ids)
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
         for v, cfg in cfgs.items():
-            got, masks = per_query(cfg, ids, layers, positions, table, v)
+            got, masks = per_query(cfg, ids, layers, positions, table, v, budgets)
             per[v].update({(l, f"{name}:{t}"): m for (l, t), m in got.items()})
             if a.explain:
                 res["samples"][-1].setdefault("worst", {})[v] = worst_misses(layers, masks, ids, tok, a.explain)

@@ -32,7 +32,7 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
     ``radius_weight`` scales the radius term of every bound: 1 ranks by the upper bound, 0 by the centroid's
     score alone (config key ``radius_weight``)."""
     H, L = index.fine_r.shape
-    if budget <= 0:
+    if not torch.is_tensor(budget) and budget <= 0:   # a tensor budget [H, 1] (one per head) is analysis only
         return torch.zeros(H, L, dtype=torch.bool, device=q.device)
 
     def weighted(r):   # empty nodes keep their -inf

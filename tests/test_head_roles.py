@@ -195,3 +195,19 @@ def test_merge_recall_results_per_task_and_mean():
     assert got["mean_over_tasks"]["lychee"]["mass_recall"] == pytest.approx(0.85)
     with pytest.raises(AssertionError):
         merge([res("a", {"lychee": 0.8}), {**res("b", {"lychee": 0.8}), "budget": 512}])
+
+
+def test_adaptive_budgets_spend_where_the_kept_mass_grows_most():
+    import numpy as np
+
+    from bench.attention_recall import adaptive_budgets
+
+    levels = [128, 256, 512, 1024]
+    recall = np.zeros((3, 2, 4))
+    recall[1, 0] = [0.50, 0.60, 0.80, 0.95]     # gains a lot from more tokens
+    recall[1, 1] = [0.90, 0.91, 0.92, 0.93]     # saturated: give its tokens away
+    recall[2, 0] = recall[2, 1] = [0.70, 0.75, 0.78, 0.80]
+    got = adaptive_budgets(recall, levels, 256, first=1)
+    assert got[0].tolist() == [256, 256]        # dense layers keep the budget
+    assert got[1, 0] > 256 > got[1, 1]
+    assert got[1:].mean() <= 256

@@ -263,3 +263,15 @@ def test_radius_weight_ranks_by_scaled_bound(weight):
         assert torch.equal(got[h], want), (weight, h)
     if weight == 0.0:   # the radius term changes the ranking here (else the test would not tell weights apart)
         assert not torch.equal(got, select_clusters(index, q, budget, 1e9, "max"))
+
+
+def test_budget_per_head_selects_what_each_heads_own_budget_selects():
+    gen = torch.Generator().manual_seed(5)
+    keys = _keys("clustered", 3, 300, 64, gen)
+    lens = torch.randint(8, 17, (300,), generator=gen)
+    index = build_index(keys, lens, 2.0, 64, 10)
+    q = torch.randn(3, 2, 64, generator=gen) * 2
+    budgets = [64, 400, 0]
+    got = select_clusters(index, q, torch.tensor(budgets, dtype=torch.float32)[:, None], 4.0, "max", 0.25)
+    for h, b in enumerate(budgets):
+        assert torch.equal(got[h], select_clusters(index, q, b, 4.0, "max", 0.25)[h])
