@@ -415,6 +415,7 @@ def main():
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("selection_query_qwen_4k.json", merged_recall_table),
+                     ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_vt16k_query.json", recall_table),
                      ("attention_recall_qwen_variable_tracking_4k.json", recall_table),
                      ("attention_recall_qwen_niah_multivalue_4k.json", recall_table),
