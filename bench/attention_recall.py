@@ -336,6 +336,22 @@ def samples(tok, a):
     return out
 
 
+def calibrate_budgets(model, tok, table, cfg: SparseKVConfig, length: int, queries: int = 16):
+    """(budgets [layers, KV heads], record): :func:`adaptive_budgets` from lychee's kept-mass curves at the last
+    ``queries`` positions of the calibration prompt that the head-role maps use."""
+    from bench.head_roles import CALIBRATE
+    from bench.tasks import make
+
+    b = cfg.token_budget
+    levels = [max(b // 2, cfg.sink_tokens + cfg.recent_window + 16), b, 2 * b, 4 * b]
+    ids = np.asarray(tok(make(CALIBRATE[0], tok, length, CALIBRATE[1]).prompt).input_ids)
+    recall = recall_curves(cfg, ids, capture(model, ids), range(len(ids) - queries, len(ids)), table, levels)
+    budgets = adaptive_budgets(recall, levels, b, cfg.dense_layers)
+    return budgets, {"calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids),
+                                     "queries": queries},
+                     "levels": levels, "recall": np.round(recall, 4).tolist(), "budgets": budgets.tolist()}
+
+
 METRICS = ("mass_recall", "mass_recall_min", "topk_recall", "out_rel_err", "kv_read")
 
 
@@ -387,18 +403,8 @@ def main():
             for v in a.variants}
     per = {name: {} for name in a.variants}
     budgets = None
-    if any(v.endswith("-adaptive-budget") for v in a.variants):
-        from bench.head_roles import CALIBRATE
-        from bench.tasks import make
-
-        cfg0 = cfgs[next(v for v in a.variants if v.endswith("-adaptive-budget"))]
-        ids = np.asarray(tok(make(CALIBRATE[0], tok, a.length, CALIBRATE[1]).prompt).input_ids)
-        levels = [a.budget // 2, a.budget, 2 * a.budget, 4 * a.budget]   # the lowest above sink + recent
-        recall = recall_curves(cfg0, ids, capture(model, ids), range(len(ids) - 16, len(ids)), table, levels)
-        budgets = adaptive_budgets(recall, levels, a.budget, cfg0.dense_layers)
-        res["adaptive_budget"] = {"calibration": {"task": CALIBRATE[0], "seed": CALIBRATE[1], "tokens": len(ids),
-                                                  "queries": 16},
-                                  "levels": levels, "recall": np.round(recall, 4).tolist(), "budgets": budgets.tolist()}
+    if adaptive := next((v for v in a.variants if v.endswith("-adaptive-budget")), None):
+        budgets, res["adaptive_budget"] = calibrate_budgets(model, tok, table, cfgs[adaptive], a.length)
     for name, ids, positions in samples(tok, a):
         layers = capture(model, ids)
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
