@@ -126,8 +126,19 @@ def shared(counts_a: dict, counts_b: dict) -> dict:
     return {"same": same, "of": total}
 
 
+def run_key(run: dict) -> str:
+    return f"{run['method']}@{run['budget']}"
+
+
 def runs_by_key(res: dict) -> dict:
-    return {f"{r['method']}@{r['budget']}": r["counts"] for r in res["runs"]}
+    return {run_key(r): r["counts"] for r in res["runs"]}
+
+
+def total_with_interval(counts: dict) -> str:
+    """A run's answers right over all its cells, with the 95% Wilson interval: ``ok/n (lo-hi)``."""
+    ok, n = sum(v["correct"] for v in counts.values()), sum(v["n"] for v in counts.values())
+    lo, hi = wilson(ok, n)
+    return f"{ok}/{n} ({lo:.2f}-{hi:.2f})"
 
 
 def same_answers(a: dict, b: dict) -> dict:

@@ -349,7 +349,7 @@ def fidelity_table(path: Path) -> str:
 def fidelity_runs_table(path: Path) -> str:
     """Runs of one length, each with its own card, commit and sample count: correct/n per task, the total with its
     95% Wilson interval."""
-    from bench.fidelity import wilson
+    from bench.fidelity import total_with_interval
 
     r = json.loads(path.read_text())
     tasks = list(dict.fromkeys(t for run in r["runs"] for t in run["tasks"]))
@@ -357,11 +357,9 @@ def fidelity_runs_table(path: Path) -> str:
     rows = []
     for run in r["runs"]:
         c = run["counts"]
-        ok, tot = sum(v["correct"] for v in c.values()), sum(v["n"] for v in c.values())
-        lo, hi = wilson(ok, tot)
         cells = [f"{c[k]['correct']}/{c[k]['n']}" if (k := f"{t}@{n}") in c else "-" for t in tasks]
         rows.append((run["method"], run["budget"] or "dense", run["device"].replace("NVIDIA ", ""), run["commit"],
-                     "on" if run["cuda_graph"] else "off", *cells, f"{ok}/{tot} ({lo:.2f}-{hi:.2f})",
+                     "on" if run["cuda_graph"] else "off", *cells, total_with_interval(c),
                      f"{run['kv_read']:.1%}"))
     return md_table(f"Fidelity on the GPU, {r['model']}, real weights, {n} tokens (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read"], rows)
@@ -383,7 +381,7 @@ def merged_recall_table(path: Path) -> str:
 def tp_fidelity_table(path: Path) -> str:
     """The same seeded samples at TP 1 and TP 2 (``bench.fidelity --compare``): answers right per task, the answers
     a sparse run shares with dense at the same TP, and the answers each run shares with itself at the other TP."""
-    from bench.fidelity import wilson
+    from bench.fidelity import run_key, total_with_interval
 
     c = json.loads(path.read_text())
     first = c["results"][c["labels"][0]]
@@ -393,14 +391,12 @@ def tp_fidelity_table(path: Path) -> str:
     for label in c["labels"]:
         r = c["results"][label]
         for run in r["runs"]:
-            key = f"{run['method']}@{run['budget']}"
+            key = run_key(run)
             counts = run["counts"]
-            ok, tot = sum(v["correct"] for v in counts.values()), sum(v["n"] for v in counts.values())
-            lo, hi = wilson(ok, tot)
             dense = c["same_as_dense"][label].get(key)
             other = c["same_answers"].get(key)
             rows.append((label, run["method"], run["budget"] or "dense",
-                         *(counts[f"{t}@{n}"]["correct"] for t in tasks), f"{ok}/{tot} ({lo:.2f}-{hi:.2f})",
+                         *(counts[f"{t}@{n}"]["correct"] for t in tasks), total_with_interval(counts),
                          f"{dense['same']}/{dense['of']}" if dense else "-",
                          f"{other['same']}/{other['of']}" if other else "-"))
     return md_table(f"Tensor parallelism and answers, {first['model']}, real weights, {n} tokens, {first['samples']} "
