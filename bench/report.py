@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.gpu_serving import SHARED, SHARED_OUTPUT
+from bench.gpu_serving import RATIO_KEYS, SHARED, SHARED_OUTPUT
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -128,23 +128,30 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines)
 
 
-def tensor_parallel_table(path: Path) -> str:
-    """Lychee over dense at TP 2 (this result) beside TP 1 (the result named in ``tp1_reference``)."""
-    tp2 = json.loads(path.read_text())
-    ref = tp2["tp1_reference"]
-    runs = [(json.loads((RESULTS / ref).read_text()), "1"), (tp2, "2")]
-    lines = [f"Tensor parallelism, Llama-3.1-8B shape, dummy weights, FlashInfer, CUDA graphs on, budget 1024, shared "
-             f"prefix at 32K (`{path.name}`; TP 1 from `{ref}`, an earlier session's machine: compare the ratios, "
-             "each from its own run, not the absolute numbers)", "",
-             "| TP | card | commit | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
-             "mean TTFT ratio | batch-1 TPOT at 32K, lychee / dense | lychee host ms per decode step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r, tp in runs:
-        d, s, sp = r["dense"]["shared"], r["lychee"]["shared"], r["shared_prefix"]
-        lines.append(f"| {tp} | {tp} x {r['device']} | {r.get('commit', '?')} | {d['output_throughput']:.0f} / "
-                     f"{s['output_throughput']:.0f} | {sp['throughput_ratio']:.2f}x | {d['median_itl_ms']:.1f} / "
-                     f"{s['median_itl_ms']:.1f} | {sp['mean_ttft_ratio']:.2f} | "
-                     f"{r['tpot_ratio_lychee_over_dense']['32768']:.2f} | {sp['lychee_host_ms_per_decode_step']} |")
+PARALLEL_RUNS = ("gpu_serving_h100x2_tp1.json", "gpu_serving_h100x2_tp2.json", "gpu_serving_h100x2_tp2_random.json",
+                 "gpu_serving_h100x2_dp2.json")
+
+
+def parallel_table(paths: list[Path]) -> str:
+    """Lychee over dense per workload at TP 1, TP 2 and DP 2 on two-GPU hosts, one row per (run, workload); each
+    ratio comes from its own run's dense and lychee."""
+    lines = ["Several GPUs, Llama-3.1-8B shape, dummy weights, FlashInfer, CUDA graphs on, budget 1024; each row's dense "
+             "and lychee ran on the same machine (" + ", ".join(f"`{p.name}`" for p in paths) + ")", "",
+             "| layout | card | commit | workload | output tok/s dense / lychee | throughput ratio | "
+             "median ITL ms dense / lychee | mean TTFT ratio | lychee host ms per decode step | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in paths:
+        r = json.loads(p.read_text())
+        st = r["settings"]
+        layout = f"TP {st['tp_size']}, DP {st['dp_size']}"
+        for key, label in WORKLOADS:
+            if key not in r["lychee"] or key not in r["dense"]:
+                continue
+            d, s, q = r["dense"][key], r["lychee"][key], r[RATIO_KEYS[key]]
+            lines.append(f"| {layout} | {r['gpus']} x {r['device']} | {r.get('commit', '?')} | {label.split(':')[0]} | "
+                         f"{d['output_throughput']:.0f} / {s['output_throughput']:.0f} | {q['throughput_ratio']:.2f}x | "
+                         f"{d['median_itl_ms']:.1f} / {s['median_itl_ms']:.1f} | {q['mean_ttft_ratio']:.2f} | "
+                         f"{q['lychee_host_ms_per_decode_step']} | {d['errors']} / {s['errors']} |")
     return "\n".join(lines)
 
 
@@ -433,7 +440,7 @@ def main():
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
                      ("selection_breakdown_tiles.json", hybrid_breakdown_table),
                      ("selection_breakdown_hybrid.json", hybrid_breakdown_table),
-                     ("gpu_serving_h100x2_tp2.json", tensor_parallel_table),
+                     (PARALLEL_RUNS, parallel_table),
                      ("gpu_serving_h200.json", serving_table),
                      ("gpu_serving_h100_flashinfer.json", serving_table),
                      ("gpu_serving_h100.json", serving_table),
@@ -442,8 +449,9 @@ def main():
                      ("host_prepare_h100.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
-        p = RESULTS / name
-        if p.exists():
+        if isinstance(name, tuple):
+            out.append(fn([RESULTS / n for n in name]))
+        elif (p := RESULTS / name).exists():
             out.append(fn(p))
     print("\n\n".join(out))
 
