@@ -128,13 +128,17 @@ def _nested(rng, depth, width, counter):
     return {k: _nested(rng, depth - 1, width, counter) for k in keys}
 
 
-def _grow_json(tok, n, rng):
-    """Nested records (depth 3) until the document holds about ``n`` tokens."""
+def _indented_json(doc) -> str:
+    return json.dumps(doc, indent=2)
+
+
+def _grow_json(tok, n, rng, render=_indented_json):
+    """Nested records (depth 3) until the document, written by ``render``, holds about ``n`` tokens."""
     doc, counter, total = {}, [0], 0
     while total < n:
         key = f"record_{len(doc):04d}"
         doc[key] = _nested(rng, 2, rng.randint(2, 4), counter)
-        total += _ntok(tok, json.dumps({key: doc[key]}, indent=2))
+        total += _ntok(tok, render({key: doc[key]}))
     return doc
 
 
@@ -174,7 +178,7 @@ def _yaml(node, indent=0):
 
 
 def task_yaml_value(tok, n, rng, depth=None):
-    doc = _grow_json(tok, int((n - 80) * 1.6), rng)  # YAML is terser than indented JSON
+    doc = _grow_json(tok, n - 80, rng, render=_yaml)
     path, value = _leaf_path(rng, doc)
     return Sample("yaml_value", _yaml(doc) + f"\n\nIn the YAML above, what is the value at the key path "
                   f"{'.'.join(path)}? The value at {'.'.join(path)} is", [str(value)])

@@ -2,6 +2,7 @@
 the sparse ones really read a fraction of the KV."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,25 @@ def test_compare_counts_answers_shared_across_results_and_with_dense():
     assert got["same_as_dense"] == {"tp1": {"lychee@1024": {"same": 2, "of": 4}},
                                     "tp2": {"lychee@1024": {"same": 2, "of": 4}}}
     assert got["results"]["tp2"] is tp2
+
+
+class WordTokenizer:
+    """Words and punctuation marks as tokens: a tokenizer whose JSON-to-YAML ratio differs from SmolLM2's BPE."""
+
+    def encode(self, text, add_special_tokens=False):
+        return re.findall(r"\w+|[^\w\s]", text)
+
+
+@pytest.mark.parametrize("n", [2000, 6000])
+def test_task_prompts_hold_their_length(smollm2_tokenizer, n):
+    """A cell labelled n tokens holds about n, whatever the tokenizer: YAML sized by a fixed ratio to JSON once
+    overshot by 20% with Qwen's tokenizer (36K tokens for a 30K cell, past the model's 32K context)."""
+    from bench.tasks import STRUCTURED, TASKS, make
+
+    for task in TASKS:
+        got = len(smollm2_tokenizer(make(task, smollm2_tokenizer, n, 0).prompt).input_ids)
+        assert 0.9 * n <= got <= 1.1 * n, (task, n, got)
+    words = WordTokenizer()
+    for task in STRUCTURED:
+        got = len(words.encode(make(task, words, n, 0).prompt))
+        assert 0.9 * n <= got <= 1.1 * n, ("words", task, n, got)
