@@ -416,6 +416,7 @@ def tp_fidelity_table(path: Path) -> str:
 def main():
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
+                     ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("selection_query_qwen_4k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
