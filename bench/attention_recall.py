@@ -375,7 +375,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default="models/smollm2")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--budget", type=int, nargs="+", default=[256], help="several: each variant at each budget, "
+                    "named VARIANT@BUDGET, over one capture of each sample")
     ap.add_argument("--length", type=int, default=3000)
     ap.add_argument("--queries", type=int, default=4, help="without --task: the prompt's last positions queried")
     ap.add_argument("--task", default=None, help="a bench.tasks task: its samples, queried while answering")
@@ -398,18 +399,22 @@ def main():
     tok, model = load(a.model_dir, a.device)
     table = BoundaryTable.from_tokenizer(tok)
     res = {"model": a.model_dir, "device": torch.cuda.get_device_name() if a.device != "cpu" else "CPU",
-           "budget": a.budget, "task": a.task, "length": a.length, "samples": [], "variants": {}}
-    cfgs = {v: SparseKVConfig.from_method(v.split("-")[0], {"token_budget": a.budget, **VARIANTS[v]})
-            for v in a.variants}
-    per = {name: {} for name in a.variants}
+           "budget": a.budget[0] if len(a.budget) == 1 else a.budget, "task": a.task, "length": a.length,
+           "samples": [], "variants": {}}
+    cfgs = {v if len(a.budget) == 1 else f"{v}@{b}":
+            SparseKVConfig.from_method(v.split("-")[0], {"token_budget": b, **VARIANTS[v]})
+            for b in a.budget for v in a.variants}
+    per = {name: {} for name in cfgs}
     budgets = None
     if adaptive := next((v for v in a.variants if v.endswith("-adaptive-budget")), None):
+        if len(a.budget) > 1:
+            ap.error("an adaptive-budget variant calibrates for one --budget")
         budgets, res["adaptive_budget"] = calibrate_budgets(model, tok, table, cfgs[adaptive], a.length)
     for name, ids, positions in samples(tok, a):
         layers = capture(model, ids)
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
         for v, cfg in cfgs.items():
-            got, masks = per_query(cfg, ids, layers, positions, table, v, budgets)
+            got, masks = per_query(cfg, ids, layers, positions, table, v.split("@")[0], budgets)
             per[v].update({(l, f"{name}:{t}"): m for (l, t), m in got.items()})
             if a.explain:
                 res["samples"][-1].setdefault("worst", {})[v] = worst_misses(layers, masks, ids, tok, a.explain)

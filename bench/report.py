@@ -42,7 +42,9 @@ def recall_table(path: Path) -> str:
         sm = r["samples"]
         what = (f"{r['task']} answers ({len(sm)} samples of {min(x['tokens'] for x in sm)}-"
                 f"{max(x['tokens'] for x in sm)} tokens, {sum(x['queries'] for x in sm)} queries), {r.get('device', 'CPU')}")
-    return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {what}, budget {r['budget']}, "
+    b = r["budget"]
+    budget = f"budget {b}" if isinstance(b, int) else "budgets " + ", ".join(map(str, b)) + " (VARIANT@BUDGET)"
+    return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {what}, {budget}, "
                     f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["variant", "attention-mass recall", "worst head", "top-k recall", "output rel. error", "KV read"],
                     [(name, f"{v['mass_recall']:.3f}", f"{v['mass_recall_min']:.3f}", f"{v['topk_recall']:.3f}",

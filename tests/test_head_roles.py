@@ -211,3 +211,26 @@ def test_adaptive_budgets_spend_where_the_kept_mass_grows_most():
     assert got[0].tolist() == [256, 256]        # dense layers keep the budget
     assert got[1, 0] > 256 > got[1, 1]
     assert got[1:].mean() <= 256
+
+
+def test_attention_recall_several_budgets_match_single_runs(tmp_path, smollm2_dir):
+    """``--budget B1 B2``: each variant at each budget over one capture, the numbers of a run at that budget alone."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def run(out, *budgets):
+        p = subprocess.run([sys.executable, "-m", "bench.attention_recall", "--model-dir", smollm2_dir, "--length",
+                            "800", "--queries", "2", "--variants", "lychee", "quest", "--budget", *budgets, "--out",
+                            str(out)], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return json.loads(out.read_text())
+
+    both, one = run(tmp_path / "both.json", "128", "256"), run(tmp_path / "one.json", "256")
+    assert both["budget"] == [128, 256] and one["budget"] == 256
+    assert set(both["variants"]) == {"lychee@128", "quest@128", "lychee@256", "quest@256"}
+    for v in ("lychee", "quest"):
+        assert both["variants"][f"{v}@256"]["mass_recall"] == one["variants"][v]["mass_recall"]
+        assert both["variants"][f"{v}@128"]["kv_read"] < both["variants"][f"{v}@256"]["kv_read"]
