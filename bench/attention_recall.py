@@ -398,16 +398,17 @@ def main():
         return
     tok, model = load(a.model_dir, a.device)
     table = BoundaryTable.from_tokenizer(tok)
+    several = len(a.budget) > 1
     res = {"model": a.model_dir, "device": torch.cuda.get_device_name() if a.device != "cpu" else "CPU",
-           "budget": a.budget[0] if len(a.budget) == 1 else a.budget, "task": a.task, "length": a.length,
+           "budget": a.budget if several else a.budget[0], "task": a.task, "length": a.length,
            "samples": [], "variants": {}}
-    cfgs = {v if len(a.budget) == 1 else f"{v}@{b}":
+    cfgs = {f"{v}@{b}" if several else v:
             SparseKVConfig.from_method(v.split("-")[0], {"token_budget": b, **VARIANTS[v]})
             for b in a.budget for v in a.variants}
     per = {name: {} for name in cfgs}
     budgets = None
     if adaptive := next((v for v in a.variants if v.endswith("-adaptive-budget")), None):
-        if len(a.budget) > 1:
+        if several:
             ap.error("an adaptive-budget variant calibrates for one --budget")
         budgets, res["adaptive_budget"] = calibrate_budgets(model, tok, table, cfgs[adaptive], a.length)
     for name, ids, positions in samples(tok, a):

@@ -154,14 +154,14 @@ def _leaf_path(rng, doc):
 def task_json_value(tok, n, rng, depth=None):
     doc = _grow_json(tok, n - 80, rng)
     path, value = _leaf_path(rng, doc)
-    return Sample("json_value", json.dumps(doc, indent=2) + f"\nIn the JSON above, what is the value at the key path "
+    return Sample("json_value", _indented_json(doc) + f"\nIn the JSON above, what is the value at the key path "
                   f"{'.'.join(path)}? The value at {'.'.join(path)} is", [str(value)])
 
 
 def task_json_count(tok, n, rng, depth=None):
     doc = _grow_json(tok, n - 80, rng)
     rec = rng.choice(sorted(doc))
-    return Sample("json_count", json.dumps(doc, indent=2) + f"\nIn the JSON above, how many keys does the object "
+    return Sample("json_count", _indented_json(doc) + f"\nIn the JSON above, how many keys does the object "
                   f"{rec} have? The object {rec} has", [str(len(doc[rec]))])
 
 
