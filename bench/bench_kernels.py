@@ -27,7 +27,7 @@ import triton
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
-from sgl_sparsekv.kernels.select import emit_tokens, pack, select_fine
+from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, pack, scratch, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -98,23 +98,40 @@ def selection_cost(bs, ctx, budget):
     return bench(run), L, P
 
 
-def selection_case(bs, ctx, budget, sink=16, recent=64) -> dict:
+def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False) -> dict:
     """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
-    random unit keys (8-16-token chunks), queries, budgets, lengths, request rows, and a key buffer."""
-    M = ctx // 12
+    random unit keys (8-16-token chunks), queries, budgets, lengths, request rows, and a key buffer. ``shared``:
+    every request adopted one prefix of ``ctx - 256`` tokens (one shared segment) and owns an index of its last 256
+    tokens; else each owns an index of all its tokens."""
+    own_tokens = 256 if shared else ctx
     indexes, starts, lens = [], [], []
-    for _ in range(bs):
+
+    def add(n_tokens, first):
+        M = n_tokens // 12
         keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
         ln = torch.randint(8, 17, (M,), device="cuda")
         indexes.append(build_index(keys, ln, 2.0, 64, 3))
-        starts.append(torch.cumsum(ln, 0) - ln + sink)
+        starts.append(torch.cumsum(ln, 0) - ln + first)
         lens.append(ln)
-    coarse, fine, chunks, ranges = pack(indexes, starts, lens, "cuda")
-    seq = [int(s[-1] + l[-1]) + 8 for s, l in zip(starts, lens)]
+
+    if shared:
+        add(ctx - own_tokens, sink)
+    for _ in range(bs):
+        add(own_tokens, int(starts[0][-1] + lens[0][-1]) if shared else sink)
+    coarse, fine, chunks, packed = pack(indexes, starts, lens, "cuda")
+    ranges = packed[:, len(indexes) - bs:].clone()
+    F = {name: i for i, name in enumerate(RANGE_FIELDS)}
+    if shared:   # segment 0 of every request: the prefix's rows (column 0); scratch rows one after another
+        for s in ("co", "P", "fo", "L", "ko", "M"):
+            ranges[F[s + "0"]] = packed[F[s + "1"], 0]
+        L = ranges[F["L0"]] + ranges[F["L1"]]
+        ranges[F["so"]] = torch.cumsum(L, 0) - L
+    seq = [int(s[-1] + l[-1]) + 8 for s, l in zip(starts[len(indexes) - bs:], lens[len(indexes) - bs:])]
     # random chunk lengths sum past ctx at times: rows as long as the longest sequence, or emission reads past them
     width = max(seq)
     return dict(
-        coarse=coarse, fine=fine, chunks=chunks, ranges=ranges,
+        coarse=coarse, fine=fine, chunks=chunks, ranges=ranges.contiguous(),
+        scratch=scratch(int((ranges[F["so"]] + ranges[F["L0"]] + ranges[F["L1"]]).max()), H, "cuda"),
         q=torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16),
         rem=torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda"),
         seq=torch.tensor(seq, dtype=torch.int32, device="cuda"),
@@ -129,13 +146,13 @@ def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
     """kernels/select.py (coarse expansion + fine pick + token-list emission) for real index sizes, alone and
     followed by the sparse attention over the emitted lists: the whole sparse decode layer of the pooled path."""
     c = selection_case(bs, ctx, budget, sink, recent)
-    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = c["coarse"], c["fine"], c["chunks"], c["ranges"]
+    coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     starts, ws = c["list_starts"], c["workspace"]
 
     def select():
-        sel = select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, parts=32)
-        return emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget,
+        sel = select_fine(q, coarse, fine, ranges, rem, 16.0, parts=32, out=c["scratch"])
+        return emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget,
                            parts=32)
 
     def layer():

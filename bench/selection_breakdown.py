@@ -2,6 +2,7 @@
 and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
+        [--shared]
 
 ``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
 selection and emission run for those only, the attention for all 8.
@@ -20,49 +21,50 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
-              retrieving: int = H) -> dict:
-    c = selection_case(bs, ctx, budget, sink, recent)
-    coarse, fine, chunks, (co, pn, fo, ln_, ko, mn) = c["coarse"], c["fine"], c["chunks"], c["ranges"]
+              retrieving: int = H, shared: bool = False) -> dict:
+    c = selection_case(bs, ctx, budget, sink, recent, shared)
+    coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     lstarts, ws = c["list_starts"], c["workspace"]
     cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
-    bnd = torch.empty(fr.shape, dtype=torch.float32, device="cuda")
-    sel = torch.empty_like(bnd)
-    BLOCK_P = 64
+    bnd, tok, sel = c["scratch"]
+    BLOCK_P = 128
     heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
-    R = retrieving
+    R, st = retrieving, ranges.stride(0)
     expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device="cuda")
     out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * budget, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
 
     def coarse_pick():
-        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, co, pn, rem, expanded, heads, R, 16.0, 0.25,
+        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, 16.0, 0.25,
                                             q.stride(0), q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D,
                                             BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln_, expanded, bnd, heads, R, 0.25,
+        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, ftok, fpar, ranges, st, expanded, bnd, tok, heads, R, 0.25,
                                                 q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
                                                 BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=ks.FINE_BLOCK, PARTS=parts)
 
     def cut():
-        ks._cut_kernel[(bs * R,)](bnd, ftok, fo, ln_, rem, sel, heads, R, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
+        ks._cut_kernel[(bs * R,)](bnd, tok, ranges, st, rem, sel, heads, R, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
 
     def emit():
-        return ks.emit_tokens(sel, chunks, fo, ko, mn, rows, seq, req_to_token, sink, recent, budget,
+        return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget,
                               dense_limit=budget, parts=parts, out=out, heads=heads)
 
     def attend():
         return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
 
     # the layer before, where every head retrieved: the lists that sparse heads keep
-    ks.emit_tokens(ks.select_fine(q, coarse, fine, co, pn, fo, ln_, rem, 16.0, parts=parts, out=(bnd, sel)), chunks,
-                   fo, ko, mn, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget, parts=parts, out=out)
+    ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, 16.0, parts=parts, out=c["scratch"]), chunks,
+                   ranges, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget, parts=parts, out=out)
     coarse_pick(); fine_bounds(); cut(); emit(); attend()
-    live = int((bnd[:, :R] > float("-inf")).sum()) // R
-    return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "fine_clusters": int(ln_.sum()) // bs,
+    F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
+    L = ranges[F["L0"]] + ranges[F["L1"]]
+    live = int((bnd[:int(L.sum()), :R] > float("-inf")).sum()) // R
+    return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
                (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
@@ -75,10 +77,13 @@ def main():
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--retrieving", type=int, nargs="+", default=[H], help="retrieval KV heads per layer (of 8)")
+    ap.add_argument("--shared", action="store_true",
+                    help="also the batch over one shared prefix (one shared segment, 256 tokens of each request's own)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r in ((c, b, r) for c in a.contexts for b in a.batches for r in a.retrieving):
-        res["rows"].append(breakdown(bs, ctx, retrieving=r))
+    for ctx, bs, r, sh in ((c, b, r, sh) for c in a.contexts for b in a.batches for r in a.retrieving
+                           for sh in ((False, True) if a.shared else (False,))):
+        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -77,7 +77,8 @@ def _graft_kernel(Keys, Jobs, Length, Start,
         n_c = tl.load(FN + c)
         mu_c = tl.load(FMu + c * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
         new_mu_c = _round_bf16(mu_c + (key - mu_c) / (n_c + 1))   # what the pool stores
-        shift = tl.sqrt(tl.sum((new_mu_c - mu_c) * (new_mu_c - mu_c), 0))
+        # an empty cluster has no member to keep covered: its old centroid does not widen the radius
+        shift = tl.where(n_c > 0, tl.sqrt(tl.sum((new_mu_c - mu_c) * (new_mu_c - mu_c), 0)), 0.0)
         dist = tl.sqrt(tl.sum((key - new_mu_c) * (key - new_mu_c), 0))
         new_r_c = tl.maximum(tl.maximum(tl.load(FR + c), 0.0) + shift, dist)
         tl.store(FMu + c * D + offs_d, new_mu_c.to(FMu.dtype.element_ty), mask=dmask)
@@ -89,7 +90,7 @@ def _graft_kernel(Keys, Jobs, Length, Start,
         n_g = tl.load(CN + gc)
         mu_g = tl.load(CMu + gc * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
         new_mu_g = _round_bf16(mu_g + (key - mu_g) / (n_g + 1))
-        shift_g = tl.sqrt(tl.sum((new_mu_g - mu_g) * (new_mu_g - mu_g), 0))
+        shift_g = tl.where(n_g > 0, tl.sqrt(tl.sum((new_mu_g - mu_g) * (new_mu_g - mu_g), 0)), 0.0)
         reach = tl.sqrt(tl.sum((new_mu_c - new_mu_g) * (new_mu_c - new_mu_g), 0)) + new_r_c
         tl.store(CMu + gc * D + offs_d, new_mu_g.to(CMu.dtype.element_ty), mask=dmask)
         tl.store(CR + gc, tl.maximum(tl.maximum(tl.load(CR + gc), 0.0) + shift_g, reach))

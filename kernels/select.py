@@ -2,19 +2,28 @@
 
 No host synchronization and static launch shapes, so it runs inside a CUDA graph. The index of every
 request lives in the node pools of ``sgl_sparsekv.index_pool`` (one row per node, KV heads side by
-side); request ``b`` of the batch owns rows ``[off[b], off[b] + count[b])`` of each pool:
+side):
 
-    coarse pool:  mu [C, H, d], r [C, H], tok [C, H]                 (co, P per request)
+    coarse pool:  mu [C, H, d], r [C, H], tok [C, H]                 (co, P per segment)
     fine pool:    mu [F, H, d], r [F, H], tok [F, H], parent [F, H]  (fo, L; parent is a local coarse index)
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
-``select_fine`` follows sgl_sparsekv/select.py exactly, ties included: coarse units are expanded in
-bound order while the tokens before them stay under ``expand * budget`` (at most ``max_coarse`` units:
-counted pairwise, ties by lower index, as a stable sort would); the expanded units' fine clusters are
-taken in bound order while the running token count stays within the budget. That second cut is found
-without sorting, in one program per (request, KV head): a bisection over order-preserving integer keys
-of the bounds finds the bound of the first cluster that overflows, in 33 passes over registers, so its
-cost grows with the clusters, not with their square.
+A request's index is two segments of rows, read as one index: segment 0, adopted from a cached prefix and
+shared read-only by every request that adopted it, then segment 1, the request's own (the chunks past the
+prefix and the chunks grafted at decode). ``ranges`` [RANGE_FIELDS, bs] int32 gives per batch row each
+segment's ``(co, P, fo, L, ko, M)`` and ``so``, the request's rows in the step's scratch (bounds, tokens
+and picks of its ``L0 + L1`` fine clusters: a shared segment's rows are read by many requests of a batch,
+so nothing per request is written to them). In the union, segment 1's local indexes follow segment 0's:
+its fine parents count from ``P0``, its chunks' clusters from ``L0``. A request without an adopted prefix
+has an empty segment 0.
+
+``select_fine`` follows sgl_sparsekv/select.py exactly on that union, ties included: coarse units are
+expanded in bound order while the tokens before them stay under ``expand * budget`` (counted pairwise,
+ties by lower index, as a stable sort would); the expanded units' fine clusters are taken in bound order
+while the running token count stays within the budget. That second cut is found without sorting, in one
+program per (request, KV head): a bisection over order-preserving integer keys of the bounds finds the
+bound of the first cluster that overflows, in 33 passes over registers, so its cost grows with the
+clusters, not with their square.
 
 ``emit_tokens`` then writes each (request, KV head)'s KV slots: the sink, the selected chunks' tokens
 outside the recent window, and the recent window, into a fixed window of ``cap`` entries. Requests
@@ -36,6 +45,8 @@ CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (
 # rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
 # and 16, 32 programs per list) took 39 -> 33 us (bounds) and 26 -> 17 us (emission) per layer at batch 16
 FINE_BLOCK, EMIT_BLOCK = 16, 128
+# rows of ``ranges``: segment 0 (adopted, shared), segment 1 (the request's own), the scratch offset
+RANGE_FIELDS = ("co0", "P0", "fo0", "L0", "ko0", "M0", "co1", "P1", "fo1", "L1", "ko1", "M1", "so")
 
 
 @triton.jit
@@ -43,6 +54,18 @@ def _program_head(pid, Heads, R):
     """A program's (request, KV head): programs run over (request, retrieval head) pairs, the heads of the layer
     that select their own tokens (all of them unless hybrid heads are on)."""
     return pid // R, tl.load(Heads + pid % R).to(tl.int64)
+
+
+@triton.jit
+def _field(T, st, b, k: tl.constexpr):
+    """Field ``k`` of RANGE_FIELDS for batch row ``b`` (int64)."""
+    return tl.load(T + k * st + b).to(tl.int64)
+
+
+@triton.jit
+def _union_rows(offs, off0, n0, off1):
+    """Pool rows of union positions ``offs``: segment 0's ``n0`` rows from ``off0``, then segment 1's from ``off1``."""
+    return tl.where(offs < n0, off0 + offs, off1 + (offs - n0))
 
 
 @triton.jit
@@ -59,25 +82,25 @@ def _bounds(Qg, stride_qh, mu, r, rw, offs_d, dmask, G: tl.constexpr):
 
 
 @triton.jit
-def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
+def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
                           stride_cm,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_P: tl.constexpr):
-    """Per (request, retrieval KV head): which coarse units are expanded (P <= BLOCK_P), by counting for each unit
-    the tokens of the units ranked before it."""
+    """Per (request, retrieval KV head): which coarse units of the union are expanded (P0 + P1 <= BLOCK_P), by
+    counting for each unit the tokens of the units ranked before it."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     budget = tl.load(Budget + b).to(tl.float32)
-    co = tl.load(Co + b).to(tl.int64)
-    P = tl.load(Pn + b)
+    P0 = _field(T, st, b, 1)
     offs_p = tl.arange(0, BLOCK_P)
-    pmask = offs_p < P
-    mu = tl.load(CMu + (co + offs_p)[:, None] * stride_cm + h * D + offs_d[None, :],
+    pmask = offs_p < P0 + _field(T, st, b, 7)
+    crow = _union_rows(offs_p, _field(T, st, b, 0), P0, _field(T, st, b, 6))
+    mu = tl.load(CMu + crow[:, None] * stride_cm + h * D + offs_d[None, :],
                  mask=pmask[:, None] & dmask[None, :], other=0.0)
-    r = tl.load(CR + (co + offs_p) * H + h, mask=pmask, other=NEG)
-    tok = tl.load(CTok + (co + offs_p) * H + h, mask=pmask, other=0.0)
+    r = tl.load(CR + crow * H + h, mask=pmask, other=NEG)
+    tok = tl.load(CTok + crow * H + h, mask=pmask, other=0.0)
     ub = tl.where(pmask & (r > NEG), _bounds(Q + b * stride_qb + h * G * stride_qh, stride_qh, mu, r, rw,
                                              offs_d, dmask, G), NEG)
     before = (ub[None, :] > ub[:, None]) | ((ub[None, :] == ub[:, None]) & (offs_p[None, :] < offs_p[:, None]))
@@ -87,31 +110,34 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, Co, Pn, Budget, Expanded, Heads, R, 
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, FPar, Fo, Ln, Expanded, Bnd, Heads, R, rw, stride_qb, stride_qh, stride_fm,
-                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _fine_bounds_kernel(Q, FMu, FR, FTok, FPar, T, st, Expanded, Bnd, Tok, Heads, R, rw, stride_qb, stride_qh,
+                        stride_fm, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
-    """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others); PARTS programs per
-    (request, retrieval KV head) split the clusters."""
+    """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), and their tokens, into the
+    request's scratch rows; PARTS programs per (request, retrieval KV head) split the clusters."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    fo = tl.load(Fo + b).to(tl.int64)
-    L = tl.load(Ln + b)
+    fo0, L0, fo1 = _field(T, st, b, 2), _field(T, st, b, 3), _field(T, st, b, 8)
+    P0, so = _field(T, st, b, 1), _field(T, st, b, 12)
+    L = L0 + _field(T, st, b, 9)
     Qg = Q + b * stride_qb + h * G * stride_qh
     for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
         offs_l = blk + tl.arange(0, BLOCK_L)
         lmask = offs_l < L
-        par = tl.load(FPar + (fo + offs_l) * H + h, mask=lmask, other=0)
-        fr = tl.load(FR + (fo + offs_l) * H + h, mask=lmask, other=NEG)
+        frow = _union_rows(offs_l, fo0, L0, fo1)
+        par = tl.load(FPar + frow * H + h, mask=lmask, other=0) + tl.where(offs_l < L0, 0, P0)
+        fr = tl.load(FR + frow * H + h, mask=lmask, other=NEG)
         live = (tl.load(Expanded + pid * BLOCK_P + par, mask=lmask, other=0) > 0) & lmask & (fr > NEG)
         fub = tl.full([BLOCK_L], NEG, tl.float32)
         if tl.max(live.to(tl.int32), 0) > 0:
-            fmu = tl.load(FMu + (fo + offs_l)[:, None] * stride_fm + h * D + offs_d[None, :],
+            fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0.0)
             fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
-        tl.store(Bnd + (fo + offs_l) * H + h, fub, mask=lmask)
+        tl.store(Bnd + (so + offs_l) * H + h, fub, mask=lmask)
+        tl.store(Tok + (so + offs_l) * H + h, tl.load(FTok + frow * H + h, mask=live, other=0.0), mask=lmask)
 
 
 @triton.jit
@@ -162,16 +188,17 @@ def _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def _cut_kernel(Bnd, FTok, Fo, Ln, Budget, Sel, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
+def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
-    program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory."""
+    program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory.
+    Reads and writes the request's scratch rows only (bounds and tokens from ``_fine_bounds_kernel``)."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
     budget = tl.load(Budget + b).to(tl.float32)
-    fo = tl.load(Fo + b).to(tl.int64)
-    L = tl.load(Ln + b)
+    fo = _field(T, st, b, 12)
+    L = (_field(T, st, b, 3) + _field(T, st, b, 9)).to(tl.int32)
     one = tl.arange(0, BLOCK)
     if L <= BLOCK // 4:
         _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H, BLOCK // 4)
@@ -216,87 +243,100 @@ def all_heads(H: int, device) -> torch.Tensor:
     return torch.arange(H, dtype=torch.int32, device=device)
 
 
-def select_fine(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(bounds, tokens, picks) [rows, H] float32: a step's per-request fine-cluster rows (``so`` in ``ranges``)."""
+    return tuple(torch.empty(rows, H, dtype=torch.float32, device=device) for _ in range(3))
+
+
+def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
+                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None):
-    """-> sel [F, H] float32 (1.0 = take) for the batch's fine rows and the KV heads ``heads`` (int32, default all);
-    other rows and heads are untouched.
+    """-> sel [S, H] float32 scratch rows (1.0 = take): request ``b``'s fine clusters, in union order, are rows
+    ``so[b] ..`` of it, for the KV heads ``heads`` (int32, default all); other rows and heads are untouched.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
-    co/pn/fo/ln/budget: [bs] int32 per batch row. ``out`` = (bounds, sel), both [F, H] float32; ``parts``
-    programs per (request, KV head) split the clusters' bounds. Requests with more than ``cut_block`` fine
-    clusters are cut in passes over memory instead of registers. ``radius_weight`` scales the bound's radius
-    term in the ranking (``select.select_clusters``).
+    ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
+    from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
+    with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers.
+    ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
+    has at most ``max_coarse`` coarse units.
     """
     bs, Hq, D = q.shape
     cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
     H = cmu.shape[1]
     G = Hq // H
-    BLOCK_P = max(16, triton.next_power_of_2(max_coarse))
+    BLOCK_P = max(16, triton.next_power_of_2(2 * max_coarse))
     BLOCK_D = triton.next_power_of_2(D)
-    bnd, sel = out if out is not None else (torch.empty(fr.shape, dtype=torch.float32, device=q.device),
-                                            torch.empty(fr.shape, dtype=torch.float32, device=q.device))
+    if out is None:
+        out = scratch(_scratch_rows(ranges, bs), H, q.device)
+    bnd, tok, sel = out
     heads = all_heads(H, q.device) if heads is None else heads
     R = heads.numel()
+    st = ranges.stride(0)
     expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
-    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, co, pn, budget, expanded, heads, R, float(expand),
+    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, budget, expanded, heads, R, float(expand),
                                      float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
                                      BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, fo, ln, expanded, bnd, heads, R, float(radius_weight),
-                                         q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D, BLOCK_D=BLOCK_D,
-                                         BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
-    _cut_kernel[(bs * R,)](bnd, ftok, fo, ln, budget, sel, heads, R, H=H, BLOCK=cut_block, num_warps=8)
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, ftok, fpar, ranges, st, expanded, bnd, tok, heads, R,
+                                         float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
+                                         BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
+    _cut_kernel[(bs * R,)](bnd, tok, ranges, st, budget, sel, heads, R, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
 
+def _scratch_rows(ranges: torch.Tensor, bs: int) -> int:
+    so, L0, L1 = (ranges[RANGE_FIELDS.index(k), :bs].long() for k in ("so", "L0", "L1"))
+    return max(1, int((so + L0 + L1).max())) if bs else 1
+
+
 @triton.jit
-def _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink, recent):
-    """A list's request: (b, h, fine offset, chunk offset, chunks to scan, length, sink end, recent start).
-    A request within ``dense_limit`` scans no chunk: its sink is the whole sequence."""
+def _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent):
+    """A list's request: (b, h, chunks to scan, length, sink end, recent start). A request within
+    ``dense_limit`` scans no chunk: its sink is the whole sequence."""
     b, h = _program_head(pid, Heads, R)
     S = tl.load(SeqLen + b)
     dense = S <= dense_limit
     n_sink = tl.where(dense, S, tl.minimum(sink, S))
     rec_start = tl.where(dense, S, tl.maximum(n_sink, S - recent))
-    M = tl.where(dense, 0, tl.load(Mn + b))
-    return b, h, tl.load(Fo + b).to(tl.int64), tl.load(Ko + b).to(tl.int64), M, S, n_sink, rec_start
+    M = tl.where(dense, 0, _field(T, st, b, 5) + _field(T, st, b, 11))
+    return b, h, M, S, n_sink, rec_start
 
 
 @triton.jit
-def _chunk_counts(Sel, CFine, CStart, CLen, fo, ko, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
-    cf = tl.load(CFine + (ko + offs) * H + h, mask=mm, other=0)
-    take = (tl.load(Sel + (fo + cf) * H + h, mask=mm, other=0.0) > 0) & mm
-    st = tl.load(CStart + ko + offs, mask=mm, other=0)
-    ln = tl.load(CLen + ko + offs, mask=mm, other=0)
-    en = tl.minimum(st + ln, rec_start)
-    st = tl.maximum(st, n_sink)
-    return st, tl.where(take, tl.maximum(en - st, 0), 0)
+def _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
+    """Per union chunk ``offs``: its first position past the sink and its token count if its cluster is taken."""
+    M0 = _field(T, st, b, 5)
+    krow = _union_rows(offs, _field(T, st, b, 4), M0, _field(T, st, b, 10))
+    cf = tl.load(CFine + krow * H + h, mask=mm, other=0) + tl.where(offs < M0, 0, _field(T, st, b, 3))
+    take = (tl.load(Sel + (_field(T, st, b, 12) + cf) * H + h, mask=mm, other=0.0) > 0) & mm
+    pos = tl.load(CStart + krow, mask=mm, other=0)
+    en = tl.minimum(pos + tl.load(CLen + krow, mask=mm, other=0), rec_start)
+    pos = tl.maximum(pos, n_sink)
+    return pos, tl.where(take, tl.maximum(en - pos, 0), 0)
 
 
 @triton.jit
-def _emit_count_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
+def _emit_count_kernel(Sel, CFine, CStart, CLen, T, st, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
                        H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink,
-                                                          recent)
+    b, h, M, S, n_sink, rec_start = _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent)
     total = 0
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        st, cnt = _chunk_counts(Sel, CFine, CStart, CLen, fo, ko, offs, offs < M, h, n_sink, rec_start, H)
+        _, cnt = _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
         total += tl.sum(cnt, 0)
     tl.store(Counts + pid * PARTS + part, total)
 
 
 @triton.jit
-def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
+def _emit_write_kernel(Sel, CFine, CStart, CLen, T, st, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
                        stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, MAXLEN: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, fo, ko, M, S, n_sink, rec_start = _emit_request(Fo, Ko, Mn, SeqLen, pid, Heads, R, dense_limit, sink,
-                                                          recent)
+    b, h, M, S, n_sink, rec_start = _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent)
     row = tl.load(Rows + b).to(tl.int64)
     offs_parts = tl.arange(0, PARTS)
     counts = tl.load(Counts + pid * PARTS + offs_parts)
@@ -307,11 +347,11 @@ def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqTo
     src = ReqToToken + row * stride_rt
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        st, cnt = _chunk_counts(Sel, CFine, CStart, CLen, fo, ko, offs, offs < M, h, n_sink, rec_start, H)
+        first, cnt = _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
         dst = n + tl.cumsum(cnt, 0) - cnt
         k = tl.arange(0, MAXLEN)
         m2 = (k[None, :] < cnt[:, None]) & ((dst[:, None] + k[None, :]) < CAP)
-        slot = tl.load(src + st[:, None] + k[None, :], mask=m2, other=0)
+        slot = tl.load(src + first[:, None] + k[None, :], mask=m2, other=0)
         tl.store(Out + base + dst[:, None] + k[None, :], slot, mask=m2)
         n += tl.sum(cnt, 0)
     if part == 0:
@@ -328,14 +368,15 @@ def _emit_write_kernel(Sel, CFine, CStart, CLen, Fo, Ko, Mn, Rows, SeqLen, ReqTo
         tl.store(Lens + lst, tl.minimum(n_tail + S - rec_start, CAP))
 
 
-def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
+def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
                 dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None, heads: torch.Tensor | None = None):
     """-> (lens [bs*H] int32, windows [bs*H*cap] int32): list ``i`` is ``windows[i*cap : i*cap + lens[i]]``.
     Only the lists of the KV heads ``heads`` (int32, default all) are written; the others keep what they held.
 
-    chunks = (fine [K,H] int32 local fine index, start [K] int32, length [K] int32 <= max_chunk); rows: request
-    pool rows. Each list holds at most ``cap`` slots (sized by the caller from the budget). A request with at
-    most ``dense_limit`` tokens gets all of them. ``out`` = (lens, windows, counts [bs*H*parts] int32).
+    sel: :func:`select_fine`'s scratch rows; chunks = (fine [K,H] int32 local fine index, start [K] int32,
+    length [K] int32 <= max_chunk); ranges as in :func:`select_fine`; rows: request pool rows. Each list holds at
+    most ``cap`` slots (sized by the caller from the budget). A request with at most ``dense_limit`` tokens gets
+    all of them. ``out`` = (lens, windows, counts [bs*H*parts] int32).
     """
     cfine, cstart, clen = chunks
     bs, H = rows.shape[0], sel.shape[1]
@@ -346,20 +387,34 @@ def emit_tokens(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int
     lens, windows, counts = out
     heads = all_heads(H, sel.device) if heads is None else heads
     R = heads.numel()
-    _emit_count_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, seq_lens, counts, heads, R,
+    st = ranges.stride(0)
+    _emit_count_kernel[(bs * R, parts)](sel, cfine, cstart, clen, ranges, st, seq_lens, counts, heads, R,
                                         dense_limit, sink, recent, H=H, BLOCK_M=EMIT_BLOCK, PARTS=parts)
-    _emit_write_kernel[(bs * R, parts)](sel, cfine, cstart, clen, fo, ko, mn, rows, seq_lens, req_to_token, counts,
+    _emit_write_kernel[(bs * R, parts)](sel, cfine, cstart, clen, ranges, st, rows, seq_lens, req_to_token, counts,
                                         windows, lens, heads, R, req_to_token.stride(0), dense_limit, sink, recent, H=H,
                                         CAP=cap, BLOCK_M=EMIT_BLOCK, BLOCK_T=64,
                                         MAXLEN=triton.next_power_of_2(max_chunk), PARTS=parts)
     return lens, windows
 
 
-def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+def union_rows(r: dict, kind: str) -> torch.Tensor:
+    """Pool rows of a request's union (segment 0's, then segment 1's) for ``kind`` in "cfk" (coarse, fine, chunk);
+    ``r``: one batch row of ``ranges`` as a dict of RANGE_FIELDS."""
+    off, n = {"c": ("co", "P"), "f": ("fo", "L"), "k": ("ko", "M")}[kind]
+    return torch.cat([torch.arange(r[off + s], r[off + s] + r[n + s]) for s in "01"])
+
+
+def batch_ranges(ranges: torch.Tensor, bs: int) -> list[dict]:
+    """The first ``bs`` batch rows of ``ranges`` as dicts of RANGE_FIELDS (one host read)."""
+    cols = ranges[:, :bs].T.tolist()
+    return [dict(zip(RANGE_FIELDS, c)) for c in cols]
+
+
+def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
+                    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                     radius_weight: float = 1.0, heads: torch.Tensor | None = None):
-    """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's pool rows. A node is live
-    where its radius is finite, as the kernels read it."""
+    """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
+    is live where its radius is finite, as the kernels read it."""
     from sgl_sparsekv.index import ClusterIndex
     from sgl_sparsekv.select import select_clusters
 
@@ -367,20 +422,23 @@ def select_fine_ref(q, coarse, fine, co, pn, fo, ln, budget, expand: float, max_
     fmu, fr, ftok, fpar = fine
     bs, Hq, D = q.shape
     H = cmu.shape[1]
-    sel = out[1] if out is not None else torch.empty(fr.shape, dtype=torch.float32, device=q.device)
+    sel = out[2] if out is not None else scratch(_scratch_rows(ranges, bs), H, q.device)[2]
     hs = slice(None) if heads is None else heads.long()
-    for b, (c0, P, f0, L, B) in enumerate(zip(*(t.tolist() for t in (co, pn, fo, ln, budget)))):
-        c, f = slice(c0, c0 + P), slice(f0, f0 + L)
+    for b, (r, B) in enumerate(zip(batch_ranges(ranges, bs), budget.tolist())):
+        c, f = union_rows(r, "c").to(q.device), union_rows(r, "f").to(q.device)
+        par = fpar[f].long()
+        par[r["L0"]:] += r["P0"]
         view = ClusterIndex(fine_mu=fmu[f].transpose(0, 1).float(), fine_r=fr[f].T, fine_n=(fr[f].T > float("-inf")).float(),
-                            fine_tokens=ftok[f].T, fine_parent=fpar[f].T.long(), coarse_mu=cmu[c].transpose(0, 1).float(),
+                            fine_tokens=ftok[f].T, fine_parent=par.T, coarse_mu=cmu[c].transpose(0, 1).float(),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
-                            chunk_fine=fpar[f0:f0].T)
-        sel[f, hs] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
-                                     radius_weight).T.float()[:, hs]
+                            chunk_fine=par[:0].T)
+        rows = slice(r["so"], r["so"] + len(f))
+        sel[rows, hs] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
+                                        radius_weight).T.float()[:, hs]
     return sel
 
 
-def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
+def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
                     dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None,
                     heads: torch.Tensor | None = None):
     """Torch twin of :func:`emit_tokens`: sink, the selected chunks' tokens outside the recent window, recent."""
@@ -390,19 +448,22 @@ def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink:
         out = (torch.empty(bs * H, dtype=torch.int32, device=sel.device),
                torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device), None)
     lens, windows = out[0], out[1]
-    for b, (f0, k0, M, row, S) in enumerate(zip(*(t.tolist() for t in (fo, ko, mn, rows, seq_lens)))):
+    for b, (r, row, S) in enumerate(zip(batch_ranges(ranges, bs), rows.tolist(), seq_lens.tolist())):
         slots = req_to_token[row, :S]
+        k = union_rows(r, "k").to(sel.device)
         if S <= dense_limit:   # the whole sequence as its sink, no chunk scanned
             n_sink = rec = S
-            M = 0
+            k = k[:0]
         else:
             n_sink = min(sink, S)
             rec = max(n_sink, S - recent)
-        st = cstart[k0:k0 + M].long()
-        en = torch.clamp(st + clen[k0:k0 + M].long(), max=rec)
+        st = cstart[k].long()
+        en = torch.clamp(st + clen[k].long(), max=rec)
         st = torch.clamp(st, min=n_sink)
+        cf = cfine[k].long()
+        cf[r["M0"]:] += r["L0"]
         for h in (range(H) if heads is None else heads.tolist()):
-            take = sel[f0 + cfine[k0:k0 + M, h].long(), h] > 0
+            take = sel[r["so"] + cf[:, h], h] > 0
             mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
             lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]
             i = b * H + h
@@ -414,16 +475,18 @@ def emit_tokens_ref(sel, chunks, fo, ko, mn, rows, seq_lens, req_to_token, sink:
 def pack(indexes, chunk_starts, chunk_lens, device):
     """Host-side packing of per-request ClusterIndex objects into node pools (tests and benchmarks).
 
-    Returns (coarse, fine, chunks, (co, pn, fo, ln, ko, mn)) in the layouts the kernels read.
+    Returns (coarse, fine, chunks, ranges): pools in the layouts the kernels read, and ``ranges`` with each
+    request's index as its own segment (segment 0 empty) and its scratch rows at its fine rows.
     """
     def cat(ts):
         return torch.cat(ts).to(device)
 
-    co, pn, fo, ln, ko, mn = [], [], [], [], [], []
+    table = torch.zeros(len(RANGE_FIELDS), len(indexes), dtype=torch.int32)
     c = f = k = 0
-    for ix, st in zip(indexes, chunk_starts):
+    for b, ix in enumerate(indexes):
         P, L, M = ix.coarse_r.shape[1], ix.fine_r.shape[1], ix.chunk_fine.shape[1]
-        co.append(c); pn.append(P); fo.append(f); ln.append(L); ko.append(k); mn.append(M)
+        for name, v in (("co1", c), ("P1", P), ("fo1", f), ("L1", L), ("ko1", k), ("M1", M), ("so", f)):
+            table[RANGE_FIELDS.index(name), b] = v
         c, f, k = c + P, f + L, k + M
     coarse = (cat([ix.coarse_mu.transpose(0, 1) for ix in indexes]).contiguous(),
               cat([ix.coarse_r.T for ix in indexes]).contiguous(),
@@ -434,5 +497,4 @@ def pack(indexes, chunk_starts, chunk_lens, device):
             cat([ix.fine_parent.T for ix in indexes]).to(torch.int32).contiguous())
     chunks = (cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
               cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
-    ranges = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (co, pn, fo, ln, ko, mn))
-    return coarse, fine, chunks, ranges
+    return coarse, fine, chunks, table.to(device)

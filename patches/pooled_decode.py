@@ -1,13 +1,15 @@
 """Lychee decode from the index pools, in static buffers that a CUDA graph captures (on the GPU).
 
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
-writes every batch row's pool ranges into fixed ``[max_bs]`` tensors. Inside the graph each sparse
+writes every batch row's pool ranges (its shared and own segments, ``kernels.select.RANGE_FIELDS``) and its
+rows of the step's selection scratch into fixed ``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
 shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With hybrid heads
 (config ``head_roles``) a layer selects and emits only for its retrieval heads; a sparse head's list is the one
 its KV head used in the layer before, left in place in ``windows``, and a layer without retrieval heads launches
 no selection at all. A request past its
-budget whose index found no room in the pools is flagged ``direct``: the attention kernel reads its
+budget whose index found no room in the pools (or in the step's scratch) is flagged ``direct``: the attention
+kernel reads its
 whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``). The same steps
 run on the CPU with the kernels' torch twins (``manager.use_kernels`` off).
 """
@@ -19,12 +21,17 @@ import time
 import torch
 
 from sgl_sparsekv import head_roles
-from sgl_sparsekv.kernels.select import all_heads, emit_tokens, emit_tokens_ref, select_fine, select_fine_ref
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, emit_tokens_ref, scratch, select_fine,
+                                         select_fine_ref)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager
 from sgl_sparsekv.transfer import to_device
 
 SPLITS = 8  # flash-decoding splits of a list
+# a step's selection scratch (bounds, tokens, picks: 12 bytes per KV head) holds this many times the fine pool's
+# rows: requests that share a prefix's segment each need scratch rows for all of its clusters
+SCRATCH_PER_FINE_ROW = 4
+NR = len(RANGE_FIELDS)
 
 
 class PooledDecode:
@@ -42,12 +49,13 @@ class PooledDecode:
         def i32(n):
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        # per batch row: pool ranges, request row, length, budget left for retrieved units, dense fallback
-        self.table = torch.zeros(10, max_bs, dtype=torch.int32, device=dev)   # filled by one copy per step
+        # per batch row: pool ranges and scratch rows, request row, length, budget left for retrieved units,
+        # dense fallback; filled by one copy per step
+        self.table = torch.zeros(NR + 4, max_bs, dtype=torch.int32, device=dev)
         self.fields = tuple(self.table)
-        self.co, self.pn, self.fo, self.ln, self.ko, self.mn, self.rows, self.seq, self.budget, self.direct = self.fields
-        self.bounds = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
-        self.sel = torch.empty(pools.fr.shape[1:], dtype=torch.float32, device=dev)
+        self.ranges = self.table[:NR]
+        self.rows, self.seq, self.budget, self.direct = self.fields[NR:]
+        self.scratch = scratch(SCRATCH_PER_FINE_ROW * pools.capacity.fine, H, dev)
         self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
@@ -74,22 +82,29 @@ class PooledDecode:
         """Host work of a decode step (no device read): tokens are the requests' host token ids."""
         m, cfg = self.manager, self.cfg
         t0 = time.perf_counter()
-        ranges = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
+        segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
         table = [[0] * padded_bs for _ in self.fields]
-        table[7] = [1] * padded_bs   # padding rows: one token of request row 0
-        for i, (row, S, r) in enumerate(zip(rows, seq_lens, ranges)):
-            if r is not None:
-                for j, v in enumerate((r.co, r.P, r.fo, r.L, r.ko, r.M)):
-                    table[j][i] = v
-            direct = r is None and m.needs_sparse(S)
-            table[6][i], table[7][i], table[8][i], table[9][i] = row, S, retrieve, int(direct)
+        table[NR + 1] = [1] * padded_bs   # padding rows: one token of request row 0
+        so, room = 0, self.scratch[0].shape[0]
+        for i, (row, S, segs) in enumerate(zip(rows, seq_lens, segments)):
+            need = sum(seg.L for seg in segs)
+            placed = bool(segs) and so + need <= room
+            if placed:
+                # the own segment is segment 1; a request without an adopted prefix has an empty segment 0
+                for first, seg in zip((6 * (2 - len(segs)), 6), segs):
+                    for k, v in enumerate((seg.co, seg.P, seg.fo, seg.L, seg.ko, seg.M)):
+                        table[first + k][i] = v
+                table[NR - 1][i] = so
+                so += need
+            direct = m.needs_sparse(S) and not placed
+            table[NR][i], table[NR + 1][i], table[NR + 2][i], table[NR + 3][i] = row, S, retrieve, int(direct)
             m.stats["context_tokens"] += S
             m.stats["attended_tokens"] += S if direct else min(S, cfg.token_budget)
             m.stats["dense_fallback_steps"] += direct
         if DEBUG:
-            check_table(table, len(rows), m.pools.capacity, req_to_token.shape)
-        self.table[:, :padded_bs].copy_(to_device(torch.tensor(table, dtype=torch.int32), self.co.device))
+            check_table(table, len(rows), m.pools.capacity, room, req_to_token.shape)
+        self.table[:, :padded_bs].copy_(to_device(torch.tensor(table, dtype=torch.int32), self.table.device))
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
@@ -104,10 +119,9 @@ class PooledDecode:
             coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
             # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
             qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
-            sel = self.select(qs, coarse, fine, self.co[r], self.pn[r], self.fo[r], self.ln[r], self.budget[r],
-                              cfg.coarse_expand, cfg.max_coarse, self.parts, out=(self.bounds, self.sel),
-                              radius_weight=cfg.radius_weight, heads=heads)
-            self.emit(sel, chunks, self.fo[r], self.ko[r], self.mn[r], self.rows[r], self.seq[r], req_to_token,
+            sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
+                              self.parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
+            self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
                       cfg.sink_tokens, cfg.recent_window, self.cap, dense_limit=cfg.token_budget,
                       max_chunk=cfg.chunk_max, parts=self.parts, heads=heads,
                       out=(lens, windows, self.counts[:n * self.parts]))
@@ -121,10 +135,19 @@ class PooledDecode:
                                        workspace=ws, lens=lens, direct=direct)
 
 
-def check_table(table, bs: int, cap, req_to_token_shape) -> None:
-    """Debug mode: every batch row's ranges lie inside the pools, its request row and length inside req_to_token."""
-    co, pn, fo, ln, ko, mn, rows, seq, _, direct = table
+def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> None:
+    """Debug mode: every batch row's segments lie inside the pools and its scratch rows inside the scratch, its
+    request row and length inside req_to_token; scratch rows of two batch rows never overlap."""
+    f = dict(zip(RANGE_FIELDS, table))
+    rows, seq, _, direct = table[NR:]
+    end = 0
     for i in range(bs):
-        assert co[i] + pn[i] <= cap.coarse and fo[i] + ln[i] <= cap.fine and ko[i] + mn[i] <= cap.chunks, (i, table)
+        for s in "01":
+            assert (f["co" + s][i] + f["P" + s][i] <= cap.coarse and f["fo" + s][i] + f["L" + s][i] <= cap.fine
+                    and f["ko" + s][i] + f["M" + s][i] <= cap.chunks), (i, table)
+        L = f["L0"][i] + f["L1"][i]
+        assert L == 0 or f["so"][i] >= end, ("overlapping scratch rows", i)
+        end = max(end, f["so"][i] + L)
+        assert end <= scratch_rows, ("scratch rows", i)
         assert 0 <= rows[i] < req_to_token_shape[0] and 0 < seq[i] <= req_to_token_shape[1], (i, rows[i], seq[i])
-        assert not (direct[i] and mn[i]), ("a dense-fallback row with an index", i)
+        assert not (direct[i] and f["M0"][i] + f["M1"][i]), ("a dense-fallback row with an index", i)

@@ -51,9 +51,9 @@ class SparseKVConfig:
     # LycheeCluster, under which wide clusters of filler outrank the tight one holding a needle; 0.25 answered
     # 213 of 500 long-context samples where 1 answered 171 (README, fidelity on the GPU).
     radius_weight: float = 0.25
-    # GPU index pools hold indexes over this many times the KV slots (requests sharing a prefix
-    # share its KV but each holds its own index); charged to SGLang's memory plan per KV slot.
-    index_pool_scale: float = 2.0
+    # GPU index pools hold indexes over this many times the KV slots (requests that adopt one cached prefix
+    # share one copy of its index); charged to SGLang's memory plan per KV slot.
+    index_pool_scale: float = 1.0
     # Hybrid heads (LycheeDecode): "all-retrieval", "staggered-<share>", or a role map (sgl_sparsekv/head_roles.py)
     # naming the KV heads that select their own tokens; the others reuse the previous layer's selection.
     head_roles: str = "all-retrieval"

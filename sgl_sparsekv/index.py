@@ -96,6 +96,42 @@ class ClusterIndex:
                                for k, v in vars(self).items()})
 
 
+def empty_index(H: int, d: int, device) -> ClusterIndex:
+    """No chunk yet: one empty fine cluster under one empty coarse unit, for the first graft to fill (the own
+    segment of a request whose whole prompt is an adopted prefix)."""
+    def zeros(*shape):
+        return torch.zeros(H, *shape, device=device)
+
+    return ClusterIndex(zeros(1, d), zeros(1) + NEG_INF, zeros(1), zeros(1), zeros(1).long(), zeros(1, d),
+                        zeros(1) + NEG_INF, zeros(1), zeros(1), zeros(0).long())
+
+
+def union(a: ClusterIndex, b: ClusterIndex) -> ClusterIndex:
+    """One index over ``a``'s chunks then ``b``'s, as the kernels read a request's two segments: ``b``'s fine
+    parents count from ``a``'s coarse units, its chunks' clusters from ``a``'s fine clusters."""
+    offset = {"fine_parent": a.coarse_r.shape[1], "chunk_fine": a.fine_r.shape[1]}
+
+    def cat(k, x, y):
+        dtype = torch.promote_types(x.dtype, y.dtype)
+        return torch.cat([x.to(dtype), y.to(dtype) + offset.get(k, 0)], 1)
+
+    return ClusterIndex(**{k: cat(k, x, getattr(b, k)) for k, x in vars(a).items()})
+
+
+def recount(index: ClusterIndex, lengths: torch.Tensor) -> ClusterIndex:
+    """Chunk and token counts of every cluster from the index's chunks (``lengths``: tokens per chunk); a cluster
+    left without a chunk is empty (radius -inf). In place."""
+    H, L = index.fine_r.shape
+    P = index.coarse_r.shape[1]
+    ones = torch.ones(H, index.num_chunks, dtype=index.fine_n.dtype, device=index.fine_n.device)
+    index.fine_n = scatter_sum(ones, index.chunk_fine, L)
+    index.fine_tokens = scatter_sum(lengths.to(ones.dtype).expand(H, -1), index.chunk_fine, L)
+    index.fine_r = index.fine_r.masked_fill(index.fine_n == 0, NEG_INF)
+    index.coarse_n = scatter_sum(index.fine_n, index.fine_parent, P)
+    index.coarse_tokens = scatter_sum(index.fine_tokens, index.fine_parent, P)
+    return index
+
+
 def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -> tuple[int, int]:
     """L fine clusters (about ``fine_cluster_size`` chunks each) and P <= max_coarse coarse units (~sqrt L)."""
     L = max(1, min(num_chunks, math.ceil(num_chunks / fine_cluster_size)))
@@ -147,24 +183,6 @@ def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: 
     return _coarse_level(*_fine_level(keys, chunk_len, L, iters), P, iters)
 
 
-def extend_index(index: ClusterIndex, keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
-                 max_coarse: int, iters: int) -> ClusterIndex:
-    """The index over its chunks followed by new ones (``keys`` [H, M2, d], ``chunk_len`` [M2]), such as the part
-    of a prompt past an adopted prefix. The new chunks get fine clusters of their own, as a build would make:
-    grafted one by one into the prefix's clusters, thousands of prompt chunks inflate their radii until the
-    bounds no longer tell clusters apart, and a needle among them is lost. The coarse level is clustered again
-    over all fine centroids (a k-means of about half as many points as chunks, into at most ``max_coarse``), so
-    its radii stay as tight as a build's."""
-    M2 = keys.shape[1]
-    L2, _ = cluster_counts(M2, fine_cluster_size, max_coarse)
-    fine = _fine_level(keys, chunk_len, L2, iters)
-    L1 = index.fine_mu.shape[1]
-    old = (index.fine_mu.float(), index.fine_r, index.fine_n, index.fine_tokens, index.chunk_fine)
-    both = [torch.cat([o.to(n.dtype), n + L1 if i == 4 else n], 1) for i, (o, n) in enumerate(zip(old, fine))]
-    L = L1 + fine[0].shape[1]
-    return _coarse_level(*both, max(1, min(max_coarse, L, math.ceil(math.sqrt(L)))), iters)
-
-
 def _in_head_groups(build, H: int, per_head: int, max_bytes: int) -> ClusterIndex:
     """``build(heads)`` over slices of the heads small enough that its temporaries stay under ``max_bytes``,
     concatenated (each head clusters on its own, so this is one call's result)."""
@@ -189,16 +207,6 @@ def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluste
                            keys.shape[0], _bytes_per_head(keys, L), max_bytes)
 
 
-def extend_index_grouped(index: ClusterIndex, keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
-                         max_coarse: int, iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
-    """``extend_index`` over many heads, a group of heads at a time."""
-    L, _ = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
-    return _in_head_groups(
-        lambda h: extend_index(ClusterIndex(**{k: v[h] for k, v in vars(index).items()}), keys[h], chunk_len,
-                               fine_cluster_size, max_coarse, iters),
-        keys.shape[0], _bytes_per_head(keys, L), max_bytes)
-
-
 def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     """Lazy update: add one chunk (``key`` [..., d]) to its nearest fine cluster, in place; returns that
     cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] views of the index pools'
@@ -219,7 +227,7 @@ def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     n_c = at(index.fine_n, c)
     mu_c = at_mu(index.fine_mu, c)
     new_mu_c = stored(mu_c + (key[..., None, :] - mu_c) / (n_c + 1)[..., None])
-    shift_c = (new_mu_c - mu_c).norm(dim=-1)
+    shift_c = (new_mu_c - mu_c).norm(dim=-1) * (n_c > 0)   # an empty cluster has no member to keep covered
     old_r_c = at(index.fine_r, c).clamp_min(0)  # an empty cluster starts at radius 0
     new_r_c = torch.maximum(old_r_c + shift_c, (key[..., None, :] - new_mu_c).norm(dim=-1))
     index.fine_mu.scatter_(-2, c[..., None].expand_as(new_mu_c), new_mu_c.to(index.fine_mu.dtype))
@@ -231,7 +239,7 @@ def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     n_g = at(index.coarse_n, g)
     mu_g = at_mu(index.coarse_mu, g)
     new_mu_g = stored(mu_g + (key[..., None, :] - mu_g) / (n_g + 1)[..., None])
-    shift_g = (new_mu_g - mu_g).norm(dim=-1)
+    shift_g = (new_mu_g - mu_g).norm(dim=-1) * (n_g > 0)
     old_r_g = at(index.coarse_r, g).clamp_min(0)
     reach = (new_mu_c - new_mu_g).norm(dim=-1) + new_r_c
     index.coarse_mu.scatter_(-2, g[..., None].expand_as(new_mu_g), new_mu_g.to(index.coarse_mu.dtype))

@@ -4,10 +4,10 @@ its index instead of clustering it again (forks over one document, the next turn
 An entry is a unit chain from position 0 (unit ids) and the index of every sparse layer over exactly
 those units (one ``ClusterIndex`` whose heads are layer-major, as the index pools load it). It holds one reference on each of its units, so no id it names can be recycled
 while it lives. A request adopts the entry sharing the longest chain prefix with its own chain,
-if that prefix covers enough of it: it clones the entry's indexes (grafts mutate them), drops the
-entry's units past the shared prefix, and clusters its own remaining units onto them
-(``index.extend_index``). Least recently used
-entries beyond ``max_entries`` go, releasing their units.
+if that prefix covers enough of it: the entry's index without the units past the shared prefix
+becomes a shared segment of the index pools (``IndexPools.acquire``; one copy for every request that
+adopts the same prefix), and the request clusters its own remaining units into a segment of its own.
+Least recently used entries beyond ``max_entries`` go, releasing their units.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_sparsekv.index import NEG_INF, ClusterIndex, scatter_sum
+from sgl_sparsekv.index import ClusterIndex, recount
 
 # memory for cached indexes, at most; SGLang's memory plan sets it aside before sizing the KV pool
 # (patches/plugin.py: reserve_index_cache)
@@ -44,16 +44,8 @@ def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex
     every remaining member, so the bounds stay valid (only a little looser)."""
     if index.num_chunks == n:
         return index
-    H, L = index.fine_r.shape
-    P = index.coarse_r.shape[1]
     index.chunk_fine = index.chunk_fine[:, :n].contiguous()
-    ones = torch.ones(H, n, dtype=index.fine_n.dtype, device=index.fine_n.device)
-    index.fine_n = scatter_sum(ones, index.chunk_fine, L)
-    index.fine_tokens = scatter_sum(lengths[:n].to(ones.dtype).expand(H, -1), index.chunk_fine, L)
-    index.fine_r = index.fine_r.masked_fill(index.fine_n == 0, NEG_INF)
-    index.coarse_n = scatter_sum(index.fine_n, index.fine_parent, P)
-    index.coarse_tokens = scatter_sum(index.fine_tokens, index.fine_parent, P)
-    return index
+    return recount(index, lengths[:n])
 
 
 class IndexCache:
@@ -80,8 +72,9 @@ class IndexCache:
         return best
 
     def adopt(self, eid: int, shared: int) -> ClusterIndex:
+        """The entry's index over its first ``shared`` units (new tensors where they differ; the entry's stay)."""
         entry = self.entries[eid]
-        return truncate(entry.index.clone(), entry.lengths, shared)
+        return truncate(ClusterIndex(**vars(entry.index)), entry.lengths, shared)
 
     def add(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
         """Cache a copy of the index over exactly ``units`` (replacing the entry of the same chain)."""

@@ -12,6 +12,11 @@ of rows in each pool; its chunk range has room to grow, so grafting decoded chun
 
 A ``ClusterIndex`` over all sparse layers at once (heads ``Ls * H``, layer-major) moves in and out of a
 range with :meth:`IndexPools.load` / :meth:`IndexPools.export`.
+
+Requests that adopt one cached prefix index share one copy of it: a *shared segment*, loaded once and
+refcounted (:meth:`IndexPools.acquire` / :meth:`IndexPools.release`), which nothing writes while it lives. Each
+request also owns a segment of its own (the chunks past the prefix, and the chunks grafted at decode); the
+kernels read the two as one index (``kernels/select.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex
+from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex, recount, union
 
 
 class RangeAllocator:
@@ -98,9 +103,9 @@ class PoolCapacity:
 
 def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
     """Rows that hold indexes over ``index_pool_scale`` x every KV slot at the smallest chunk size (real chunks
-    are longer, which leaves the grafting room). Requests over one shared prefix each hold their own copy of
-    its index while sharing its KV, hence a scale above 1. Proportional to the slots, so it can be charged
-    per KV slot."""
+    are longer, which leaves the grafting room). Requests over one cached prefix share one copy of its index
+    (beside the copy of the request that built it). Proportional to the slots, so it can be charged per KV
+    slot."""
     units = int(num_slots * cfg.index_pool_scale) // cfg.chunk_min
     # a chunk row costs about 1/100 of a fine row: twice the rows leave each request its grafting room
     # (a quarter of its chunks) and range moves without the chunk pool filling before the fine pool
@@ -129,6 +134,7 @@ class IndexPools:
                       "chunks": RangeAllocator(cap.chunks)}
         self.capacity = cap
         self.generation = 0   # bumped by every free: a request that found no room retries only after one
+        self.shared: dict[object, list] = {}   # key -> [PoolRanges, references] of the shared segments
 
     def nbytes(self) -> int:
         return self.capacity.nbytes(self.layers, self.heads, self.head_dim)
@@ -136,6 +142,30 @@ class IndexPools:
     def fill(self) -> dict:
         """Rows in use and capacity of each pool, for /server_info and /metrics."""
         return {kind: {"used": a.used_rows, "capacity": a.capacity} for kind, a in self.alloc.items()}
+
+    def shared_fill(self) -> dict:
+        """Shared segments in the pools and the requests' references to them."""
+        return {"segments": len(self.shared), "references": sum(r for _, r in self.shared.values())}
+
+    def acquire(self, key, load) -> PoolRanges | None:
+        """The shared segment ``key``, loaded by ``load()`` (-> PoolRanges or None) if no request holds it; one
+        more reference. None if it had to be loaded and found no room."""
+        got = self.shared.get(key)
+        if got is None:
+            rng = load()
+            if rng is None:
+                return None
+            got = self.shared[key] = [rng, 0]
+        got[1] += 1
+        return got[0]
+
+    def release(self, key) -> None:
+        """One reference less; the last frees the segment's rows."""
+        got = self.shared[key]
+        got[1] -= 1
+        if got[1] == 0:
+            del self.shared[key]
+            self.free(got[0])
 
     def check_range(self, rng: PoolRanges) -> None:
         """Debug mode (SGL_SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.
@@ -194,7 +224,15 @@ class IndexPools:
         rng.M = M
         return rng
 
-    def export(self, rng: PoolRanges) -> ClusterIndex:
+    def export(self, *segments: PoolRanges) -> ClusterIndex:
+        """A copy of the index the segments form together, read as the kernels read them (``index.union``), its
+        cluster sizes counted from the chunks the segments name (a shared segment may hold more)."""
+        ix = self._export(segments[0])
+        for rng in segments[1:]:
+            ix = union(ix, self._export(rng))
+        return recount(ix, torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments]))
+
+    def _export(self, rng: PoolRanges) -> ClusterIndex:
         c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)
         j = self._join
         return ClusterIndex(fine_mu=j(self.fmu[:, f]).float(), fine_r=j(self.fr[:, f]), fine_n=j(self.fn[:, f]),

@@ -6,10 +6,12 @@ CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch
 
     prefill  -> prepare_extend: cut the request's new tokens into units, reuse the prefix's units
              -> finish_extend:  after the last layer, place the index of every request whose prompt is
-                                complete (adopted from a cached prefix, or built from its chunk keys), so
-                                decode never clusters
-    decode   -> prepare_decode_pooled: cut, graft the chunks each index lacks (``graft_chunks``)
-                -> per-request pool ranges
+                                complete, so decode never clusters: a cached prefix's index is adopted as a
+                                shared segment (one copy in the pools for all its adopters), and the chunks
+                                past it are clustered into the request's own segment; without a cached
+                                prefix the whole prompt is built into its own segment
+    decode   -> prepare_decode_pooled: cut, graft the chunks each index lacks (``graft_chunks``) into the
+                request's own segment -> per-request (shared, own) pool ranges
     (layer)  -> select_fine, emit_tokens, sparse_decode_attention (``patches/pooled_decode.py``)
     free     -> request_freed / slots_freed: deferred, applied at the next batch; a finished request
                 leaves its grafted index in the IndexCache for the next turn or fork
@@ -32,6 +34,7 @@ the forward pass).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -44,7 +47,7 @@ import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import build_index_grouped, extend_index_grouped
+from sgl_sparsekv.index import build_index_grouped, empty_index
 from sgl_sparsekv.index_cache import IndexCache
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
@@ -64,7 +67,10 @@ class RequestState:
     starts: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     seq_len: int = 0
-    pool: PoolRanges | None = None
+    pool: PoolRanges | None = None      # its own segment: the chunks past the adopted prefix, grafts go here
+    # (key, PoolRanges) of the adopted prefix's shared segment (read-only), its M cut to the chunks this request
+    # shares with it (an adopter may share fewer than the adopter that loaded it)
+    shared: tuple | None = None
     # the pools' generation when placing the index last failed; until it is placed the request
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
@@ -73,6 +79,15 @@ class RequestState:
     @property
     def indexed_end(self) -> int:
         return self.ends[-1] if self.ends else 0
+
+    @property
+    def segments(self) -> list[PoolRanges]:
+        """Its index's pool segments in union order (the shared one first)."""
+        return ([self.shared[1]] if self.shared else []) + ([self.pool] if self.pool else [])
+
+    @property
+    def pooled_chunks(self) -> int:
+        return sum(seg.M for seg in self.segments)
 
 
 @dataclass
@@ -230,10 +245,16 @@ class SparseKVManager:
             return
         # a finished turn leaves its (grafted) index for the next turn that extends it
         if state.pool is not None:
-            if state.pool.M == len(state.units):
-                self.index_cache.put(state.units, self._lengths(state), self.pools.export(state.pool))
-            self.pools.free(state.pool)
+            if state.pooled_chunks == len(state.units):
+                self.index_cache.put(state.units, self._lengths(state), self.pools.export(*state.segments))
+            self._free_index(state)
         self.store.release(state.units)
+
+    def _free_index(self, state: RequestState) -> None:
+        self.pools.free(state.pool)
+        if state.shared is not None:
+            self.pools.release(state.shared[0])
+        state.pool = state.shared = None
 
     # ------------------------------------------------------------------ per batch (forward thread)
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
@@ -321,8 +342,9 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ lychee decode over the index pools
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                              tokens: list, k_buffers) -> list[PoolRanges | None]:
-        """Everything a decode step needs before its (graph-captured) layers run; per request its pool ranges.
+                              tokens: list, k_buffers) -> list[list[PoolRanges]]:
+        """Everything a decode step needs before its (graph-captured) layers run; per request its index's pool
+        segments (shared, own; none while it has no index).
 
         k_buffers(l) -> the key buffer of model layer ``l``: the keys of the chunks grafted here are pooled from
         it, for every layer at once (their tokens precede the step's token, so their keys are all written).
@@ -343,10 +365,10 @@ class SparseKVManager:
             self.stats[key] += b - a
         if DEBUG:
             for s in states:
-                if s.pool is not None:
-                    self.pools.check_range(s.pool)
-                    assert s.pool.M == len(s.units), (s.pool, len(s.units))
-        return [s.pool for s in states]
+                for seg in s.segments:
+                    self.pools.check_range(seg)
+                assert s.pool is None or s.pooled_chunks == len(s.units), (s.segments, len(s.units))
+        return [s.segments for s in states]
 
     def finish_extend(self, req_pool_indices: list[int], complete: list[bool], req_to_token: torch.Tensor,
                       k_buffers) -> None:
@@ -391,39 +413,49 @@ class SparseKVManager:
                 self._pool_index(state, req_to_token, k_buffers)
 
     def _pool_index(self, state: RequestState, req_to_token: torch.Tensor, k_buffers) -> None:
-        """Bring a request's all-layer index into the pools: adopted from a shared prefix (the chunks past it
-        clustered onto it), or built."""
-        ix, shared = None, 0
+        """Bring a request's all-layer index into the pools: a cached prefix's index as a shared segment (loaded
+        once for all its adopters), and the chunks past it clustered into a segment of its own; or built."""
+        shared, seg = 0, None
         lengths = self._lengths(state)
+        starts = to_device(torch.tensor(state.starts, dtype=torch.int32), self.device)
         found = self.index_cache.find(state.units)
         if found is not None:
-            ix, shared = self.index_cache.adopt(*found), found[1]
+            eid, n = found
+            seg = self.pools.acquire(eid, lambda: self.pools.load(self.index_cache.adopt(eid, n), starts[:n],
+                                                                  lengths[:n], room=0))
+            if seg is None:
+                return self._unplaced(state)
+            # the segment's chunks past the ones this request shares are not scanned for it (their tokens still
+            # count in their clusters' sizes, a few chunks at the end of the prefix); the chunks past go to its own
+            shared = min(n, seg.M)
+            seg = dataclasses.replace(seg, M=shared)
             self.stats["index_reused"] += 1
+        Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
         if shared < len(state.units):
             t0 = time.perf_counter()
-            Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
             plan = PoolPlan(req_to_token)
             for j, (a, b) in enumerate(zip(state.starts[shared:], state.ends[shared:])):
                 plan.add(j, state.row, a, b)
             keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0].float()               # [Ls, M, H, d]
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
             c = self.cfg
-            if ix is None:
-                ix = build_index_grouped(keys, lengths, c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
+            ix = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
+            if found is None:
                 self.stats["index_builds"] += 1
                 self.index_cache.add(state.units, lengths, ix)
             else:
-                ix = extend_index_grouped(ix, keys, lengths[shared:], c.fine_cluster_size, c.max_coarse,
-                                          c.kmeans_iters)
                 self.stats["index_extends"] += 1
             self.stats["index_build_s"] += time.perf_counter() - t0
-        n = ix.num_chunks
-        starts = to_device(torch.tensor(state.starts[:n], dtype=torch.int32), self.device)
-        state.pool = self.pools.load(ix, starts, lengths[:n], room=max(64, n // 4))
+        else:   # the whole prompt is the cached prefix: its own segment starts empty, for the grafts
+            ix = empty_index(Ls * H, d, self.device)
+        n = len(state.units) - shared
+        state.pool = self.pools.load(ix, starts[shared:], lengths[shared:], room=max(64, n // 4))
         if state.pool is None:
-            self._unplaced(state)
-        else:
-            state.unplaced_gen = None
+            if seg is not None:
+                self.pools.release(eid)
+            return self._unplaced(state)
+        state.shared = (eid, seg) if seg is not None else None
+        state.unplaced_gen = None
 
     def _unplaced(self, state: RequestState) -> None:
         """No room in the pools: the request decodes densely until a free makes room (never on less context)."""
@@ -439,17 +471,16 @@ class SparseKVManager:
         their keys are pooled in one launch too, and both launches' inputs travel in the plan's one upload."""
         jobs, lengths, starts = [], [], []
         for state in states:
-            rng = state.pool
-            if rng is None or rng.M >= len(state.units):
+            rng, i = state.pool, state.pooled_chunks
+            if rng is None or i >= len(state.units):
                 continue
-            i, n = rng.M, len(state.units) - rng.M
+            n = len(state.units) - i
             row = self.pools.add_chunks(rng, n)
             if row is None:
                 # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
-                self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(rng))
+                self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(*state.segments))
                 self._unplaced(state)
-                self.pools.free(rng)   # a new generation: the request retries at the next step
-                state.pool = None
+                self._free_index(state)   # a new generation: the request retries at the next step
                 continue
             jobs.append((len(plan.spans), n, rng.fo, rng.L, rng.co, row))
             for a, b in zip(state.starts[i:], state.ends[i:]):
@@ -522,5 +553,6 @@ class SparseKVManager:
         out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
         if self.pools is not None:
             out["index_pools"] = self.pools.fill()
+            out["shared_segments"] = self.pools.shared_fill()
             out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
         return out

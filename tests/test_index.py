@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, graft_chunk,
+from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, graft_chunk, union,
                                 upper_bound)
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
@@ -173,12 +173,15 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     cache = IndexCache(store, max_bytes=int(2.5 * one))
     cache.add(ids, lens, index)
     assert all(int(store.refs[i]) == 3 for i in ids)  # slot + caller + cache
-    # a request sharing the first 10 units adopts a copy truncated to them, with valid bookkeeping
+    # a request sharing the first 10 units adopts the index truncated to them, with valid bookkeeping; the entry
+    # stays whole
     found = cache.find(ids[:10] + [ids[11]])
     assert found is not None and found[1] == 10
+    entry = cache.entries[found[0]].index
+    whole = entry.clone()
     adopted = cache.adopt(*found)
     assert adopted.num_chunks == 10 and int(adopted.fine_tokens.sum()) == 2 * 100
-    assert adopted.fine_mu.data_ptr() != cache.entries[found[0]].index.fine_mu.data_ptr()
+    assert all(torch.equal(getattr(entry, k), t) for k, t in vars(whole).items())
     assert cache.find(ids[:5] + ids[6:]) is None  # shares too little
     # byte cap: older entries go, releasing their unit references
     for n in (11, 10):
@@ -200,14 +203,13 @@ def test_grouped_build_equals_one_build():
 
 
 @pytest.mark.parametrize("seed,max_coarse", [(0, 64), (1, 64), (2, 15), (3, 15)])
-def test_extend_index_clusters_new_chunks_with_valid_bounds(seed, max_coarse):
-    """An adopted prefix's index extended by the prompt past it, whose topics are new: every chunk is counted
-    once, every bound holds, fine clusters stay grouped by coarse unit, the prefix's chunks keep their clusters,
-    and a needle in the new part is found at a small budget. (Grafting these chunks one by one instead loses the
-    needle for every seed here: they inflate the prefix clusters' radii.) With max_coarse 15 the prefix alone
-    fills the coarse level, so the new fine clusters share coarse units with old ones."""
-    from sgl_sparsekv.index import extend_index, extend_index_grouped
-
+def test_a_prefix_and_its_own_segment_read_as_one_index(seed, max_coarse):
+    """An adopted prefix's index (as the cache keeps it) and the prompt past it, whose topics are new, clustered
+    into a segment of its own (what a request that adopts a cached prefix decodes over): their union counts every
+    chunk once, every bound holds, fine clusters stay grouped by coarse unit, the prefix's chunks keep their
+    clusters, and a needle in the new part is found at a small budget. (Grafting these chunks one by one into the
+    prefix's clusters instead loses the needle for every seed here: they inflate the radii.) With max_coarse 15
+    the prefix alone fills its coarse level."""
     gen = torch.Generator().manual_seed(seed)
     H, M1, M2, d, G = 2, 400, 120, 64, 3
     keys = torch.cat([_keys("clustered", H, M1, d, gen), _keys("clustered", H, M2, d, gen)], 1)
@@ -217,22 +219,16 @@ def test_extend_index_clusters_new_chunks_with_valid_bounds(seed, max_coarse):
     lens = torch.randint(8, 17, (M1 + M2,), generator=gen)
     prefix = build_index(keys[:, :M1], lens[:M1], 2.0, max_coarse, 10).compact()   # as the cache keeps it
     assert (prefix.coarse_mu.shape[1] == max_coarse) == (max_coarse == 15)
-    ix = extend_index(prefix, keys[:, M1:], lens[M1:], 2.0, max_coarse, 10)
-    grouped = extend_index_grouped(prefix, keys[:, M1:], lens[M1:], 2.0, max_coarse, 10,
-                                   max_bytes=4 * M2 * cluster_counts(M2, 2.0, 64)[0])   # a head a group
-    for name, t in vars(ix).items():
-        assert torch.equal(getattr(grouped, name), t), name
-    assert ix.num_chunks == M1 + M2 and ix.coarse_mu.shape[1] <= max_coarse
+    ix = union(prefix, build_index(keys[:, M1:], lens[M1:], 2.0, max_coarse, 10))
+    assert ix.num_chunks == M1 + M2 and ix.fine_mu.dtype == torch.float32
     assert torch.equal(ix.fine_n.sum(1), torch.full((H,), float(M1 + M2)))
     assert torch.equal(ix.fine_tokens.sum(1), lens.sum().float().expand(H))
     assert torch.equal(ix.coarse_n.sum(1), ix.fine_n.sum(1))
     assert bool((ix.fine_parent.diff(dim=1) >= 0).all())   # grouped by coarse unit
     for h in range(H):
         assert torch.equal(torch.bincount(ix.chunk_fine[h], minlength=ix.fine_n.shape[1]).float(), ix.fine_n[h])
-        # the prefix's chunks keep their clusters (renumbered): two chunks share one there iff they did before
-        old, new = prefix.chunk_fine[h], ix.chunk_fine[h, :M1]
-        assert torch.equal(old[:, None] == old[None, :], new[:, None] == new[None, :])
-        assert not set(new.tolist()) & set(ix.chunk_fine[h, M1:].tolist())
+        assert torch.equal(ix.chunk_fine[h, :M1], prefix.chunk_fine[h])
+        assert not set(ix.chunk_fine[h, :M1].tolist()) & set(ix.chunk_fine[h, M1:].tolist())
     for _ in range(5):
         _check_bounds(ix, keys, torch.randn(H, G, d, generator=gen) * 3)
     assert bool(select_chunks(ix, q * 4, 256, 4.0, "max")[:, needle].all())

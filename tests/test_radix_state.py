@@ -185,8 +185,8 @@ class World:
         st = m.states[req.req_pool_idx]
         if st.pool is None:
             return
-        ix, M = m.pools.export(st.pool), st.pool.M
-        k = slice(st.pool.ko, st.pool.ko + M)
+        ix, M = m.pools.export(*st.segments), st.pooled_chunks
+        k = torch.cat([torch.arange(seg.ko, seg.ko + seg.M) for seg in st.segments])
         assert m.pools.kstart[k].tolist() == st.starts[:M]
         assert m.pools.klen[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
         row = self.req_pool.req_to_token[req.req_pool_idx]
@@ -277,18 +277,30 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     w.start()
     w.start()
     b, c = w.live
+    m = w.manager
+    sb, sc = m.states[b.req_pool_idx], m.states[c.req_pool_idx]
+    # both adopted the cached document's index as one shared segment: one copy in the pools, of which each reads
+    # the chunks it shares (here not as many for both)
+    rows = [(seg.co, seg.fo, seg.ko) for seg in (sb.shared[1], sc.shared[1])]
+    assert sb.shared[0] == sc.shared[0] and rows[0] == rows[1] and sb.shared[1].M != sc.shared[1].M
+    assert m.pools.shared_fill() == {"segments": 1, "references": 2}
+    frozen = m.pools.export(sb.shared[1])
     for _ in range(60):
         w.forward_decode(b)
         w.forward_decode(c)
-    sb, sc = w.manager.states[b.req_pool_idx], w.manager.states[c.req_pool_idx]
     shared = set(sb.units) & set(sc.units)
     assert shared  # the cached document's chunks are shared ...
     tail_b = set(sb.units[len(sb.units) - 3:])
     tail_c = set(sc.units[len(sc.units) - 3:])
     assert not (tail_b & set(sc.units)) and not (tail_c & set(sb.units))  # ... decode chunks are not
     w.check_live_requests()
-    # the sharers adopted the first one's index of the document instead of clustering it again, each into
-    # rows of its own (grafts write them), and clustered their own chunks past it onto it
-    assert w.manager.stats["index_reused"] >= 2 and w.manager.stats["index_builds"] == 1
-    assert w.manager.stats["index_extends"] == 2
+    # the sharers clustered their own chunks past the document into segments of their own, where their
+    # grafts went: the shared rows are as they were
+    assert m.stats["index_reused"] >= 2 and m.stats["index_builds"] == 1 and m.stats["index_extends"] == 2
+    assert sb.pool.M > 0 and sc.pool.M > 0 and m.stats["grafts"] > 0
+    assert all(torch.equal(t, getattr(frozen, k)) for k, t in vars(m.pools.export(sb.shared[1])).items())
     assert sb.pool.fo != sc.pool.fo and sb.pool.ko != sc.pool.ko
+    for req in (b, c):
+        w.finish(req, abort=False)
+    m.apply_frees()
+    assert m.pools.shared_fill() == {"segments": 0, "references": 0}

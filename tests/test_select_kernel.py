@@ -4,11 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index, upper_bound
-from sgl_sparsekv.kernels.select import emit_tokens, emit_tokens_ref, pack, select_fine, select_fine_ref
+from sgl_sparsekv.index import build_index, empty_index, union, upper_bound
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, pack, scratch, select_fine,
+                                         select_fine_ref)
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def own_rows(ranges, b):
+    """Request ``b``'s scratch rows in a ``pack``ed batch (its index is its own segment)."""
+    so, L = int(ranges[RANGE_FIELDS.index("so"), b]), int(ranges[RANGE_FIELDS.index("L1"), b])
+    return slice(so, so + L)
 
 
 def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0):
@@ -33,14 +40,14 @@ def test_select_fine_matches_reference(G, D):
     gen = torch.Generator().manual_seed(G * 10 + D)
     bs, H = 3, 2
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
-    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
     for expand, parts, rw in ((1.0, 1, 1.0), (4.0, 3, 1.0), (1e6, 8, 1.0), (4.0, 3, 0.25), (1.0, 2, 0.0)):
-        sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor(budgets, dtype=torch.int32, device=DEV),
+        sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
                           expand, parts=parts, radius_weight=rw).cpu()
         for b, ix in enumerate(indexes):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max", rw)
-            got = sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0
+            got = sel[own_rows(ranges, b)].T > 0
             assert torch.equal(got, ref), (b, expand, rw)
 
 
@@ -52,14 +59,14 @@ def test_select_fine_ties_and_the_memory_pass(cut_block):
     gen = torch.Generator().manual_seed(3)
     bs, H, G, D = 3, 2, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.0)
-    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budgets = [50, 333, 10_000]
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, torch.tensor(budgets, dtype=torch.int32, device=DEV),
+    sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
                       4.0, parts=2, cut_block=cut_block).cpu()
     ties = 0
     for b, ix in enumerate(indexes):
         ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], 4.0, "max")
-        assert torch.equal(sel[int(fo[b]):int(fo[b]) + int(ln[b])].T > 0, ref), b
+        assert torch.equal(sel[own_rows(ranges, b)].T > 0, ref), b
         ub = upper_bound(q[b].view(H, G, D), ix.fine_mu, ix.fine_r, "max")
         ties += sum(len(row) - len(set(row)) for row in ub.tolist())
     assert ties > 0
@@ -69,16 +76,16 @@ def test_emit_matches_reference_mask():
     gen = torch.Generator().manual_seed(5)
     bs, H, G, D = 2, 2, 3, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 90], gen)
-    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budget, sink, recent, cap = 300, 16, 64, 300 + 16
     seq = torch.tensor([int(s[-1] + l[-1]) + 10 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.zeros(4, 4096, dtype=torch.int32)
     for b in range(bs):
         req_to_token[b + 1, :int(seq[b])] = torch.randperm(100_000, generator=gen)[:int(seq[b])].to(torch.int32) + 1
     rem = torch.tensor([budget - sink - recent] * bs, dtype=torch.int32, device=DEV)
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0)
+    sel = select_fine(q.to(DEV), coarse, fine, ranges, rem, 16.0)
     rows = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
-    lens_out, windows = emit_tokens(sel, chunks, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent,
+    lens_out, windows = emit_tokens(sel, chunks, ranges, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent,
                                     cap, parts=4)
     lens_out, windows = lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
@@ -103,12 +110,12 @@ def test_select_and_emit_real_shapes(cut_block, rw, heads):
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
     indexes, starts, lens, q = make_batch(bs, H, G, D, chunks, gen)
-    coarse, fine, chunk_pool, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse, fine, chunk_pool, ranges = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
     hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
-    out = (torch.empty(fine[1].shape, device=DEV), torch.full(fine[1].shape, 7.0, device=DEV))
-    sel = select_fine(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 16.0, cut_block=cut_block, radius_weight=rw,
+    out = (*scratch(fine[1].shape[0], H, DEV)[:2], torch.full(fine[1].shape, 7.0, device=DEV))
+    sel = select_fine(q.to(DEV), coarse, fine, ranges, rem, 16.0, cut_block=cut_block, radius_weight=rw,
                       out=out, heads=hs)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
     req_to_token = torch.arange(bs * 70_000, dtype=torch.int32).view(bs, 70_000) + 1
@@ -116,7 +123,7 @@ def test_select_and_emit_real_shapes(cut_block, rw, heads):
     lists = (torch.full((bs * H,), -1, dtype=torch.int32, device=DEV),
              torch.full((bs * H * budget,), -1, dtype=torch.int32, device=DEV),
              torch.empty(bs * H * 8, dtype=torch.int32, device=DEV))
-    lens_out, windows = emit_tokens(sel, chunk_pool, fo, ko, mn, rows, seq.to(DEV), req_to_token.to(DEV), sink,
+    lens_out, windows = emit_tokens(sel, chunk_pool, ranges, rows, seq.to(DEV), req_to_token.to(DEV), sink,
                                     recent, budget, out=lists, heads=hs)
     sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
@@ -124,7 +131,7 @@ def test_select_and_emit_real_shapes(cut_block, rw, heads):
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
         for h in range(H):
-            got_sel = sel[int(fo[b]):int(fo[b]) + int(ln[b]), h]
+            got_sel = sel[own_rows(ranges, b), h]
             i = b * H + h
             if heads is not None and h not in heads:
                 assert (got_sel == 7.0).all() and int(lens_out[i]) == -1, (b, h)
@@ -143,7 +150,7 @@ def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
     gen = torch.Generator().manual_seed(9)
     bs, H, G, D = 2, 3, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [70, 40], gen)
-    coarse, fine, chunks, (co, pn, fo, ln, ko, mn) = pack(indexes, starts, lens, DEV)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     cap, sink, recent = 200, 16, 64
     seq = torch.tensor([int(s[-1] + l[-1]) + 10 for s, l in zip(starts, lens)], dtype=torch.int32, device=DEV)
     r2t = (torch.arange(3 * 2048, dtype=torch.int32).view(3, 2048) + 1).to(DEV)
@@ -151,13 +158,13 @@ def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
     rem = torch.tensor([cap - sink - recent] * bs, dtype=torch.int32, device=DEV)
 
     def run(heads, fill):
-        out = (torch.empty(fine[1].shape, device=DEV), torch.full(fine[1].shape, fill, device=DEV))
+        out = (*scratch(fine[1].shape[0], H, DEV)[:2], torch.full(fine[1].shape, fill, device=DEV))
         hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
-        sel = select(q.to(DEV), coarse, fine, co, pn, fo, ln, rem, 4.0, parts=2, out=out, heads=hs)
+        sel = select(q.to(DEV), coarse, fine, ranges, rem, 4.0, parts=2, out=out, heads=hs)
         lists = (torch.full((bs * H,), int(fill), dtype=torch.int32, device=DEV),
                  torch.full((bs * H * cap,), int(fill), dtype=torch.int32, device=DEV),
                  torch.empty(bs * H * 2, dtype=torch.int32, device=DEV))
-        lens_out, windows = emit(sel, chunks, fo, ko, mn, rows, seq, r2t, sink, recent, cap, parts=2, out=lists,
+        lens_out, windows = emit(sel, chunks, ranges, rows, seq, r2t, sink, recent, cap, parts=2, out=lists,
                                  heads=hs)
         return sel.cpu().T, lens_out.cpu().view(bs, H), windows.cpu().view(bs, H, cap)
 
@@ -169,3 +176,53 @@ def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
             n = int(lens_all[b, h])
             assert n > sink + recent and torch.equal(win_part[b, h, :n], win_all[b, h, :n]), (b, h)
     assert (sel[1] == -3.0).all() and (lens_part[:, 1] == -3).all() and (win_part[:, 1] == -3).all()
+
+
+@pytest.mark.parametrize("ops", [(select_fine, emit_tokens), (select_fine_ref, emit_tokens_ref)])
+def test_requests_over_one_shared_segment(ops):
+    """Three requests adopt one prefix's index (segment 0, the same rows for all) and each has its own segment
+    after it (one holds no chunk yet: an empty cluster). Selection and token lists equal the reference on the
+    union of the two segments, and the shared rows are read, never written."""
+    select, emit = ops
+    gen = torch.Generator().manual_seed(13)
+    H, G, D = 2, 3, 64
+    (shared,), (s0,), (l0,), _ = make_batch(1, H, G, D, [150], gen)
+    own, own_starts, own_lens, q = make_batch(3, H, G, D, [30, 1, 45], gen)
+    own[1] = empty_index(H, D, "cpu")
+    own_starts[1], own_lens[1] = own_starts[1][:0], own_lens[1][:0]
+    end = int(s0[-1] + l0[-1])
+    own_starts = [st - 16 + end for st in own_starts]
+    coarse, fine, chunks, packed = pack([shared, *own], [s0, *own_starts], [l0, *own_lens], DEV)
+    ranges = torch.zeros(len(RANGE_FIELDS), 4, dtype=torch.int32)   # one spare column: batch rows may be fewer
+    so = 5
+    for b in range(3):
+        for f in ("co", "P", "fo", "L", "ko", "M"):
+            ranges[RANGE_FIELDS.index(f + "0"), b] = packed[RANGE_FIELDS.index(f + "1"), 0]
+            ranges[RANGE_FIELDS.index(f + "1"), b] = packed[RANGE_FIELDS.index(f + "1"), b + 1]
+        ranges[RANGE_FIELDS.index("so"), b] = so
+        so += shared.fine_r.shape[1] + own[b].fine_r.shape[1]
+    ranges = ranges.to(DEV)
+    before = [t.clone() for t in (*coarse, *fine, *chunks)]
+    sink, recent, cap = 16, 64, 400
+    seq = torch.tensor([int(st[-1] + ln[-1]) + 20 if len(st) else end + 20 for st, ln in zip(own_starts, own_lens)],
+                       dtype=torch.int32)
+    r2t = (torch.randperm(3 * 4096, generator=gen).view(3, 4096).to(torch.int32) + 1)
+    rem = torch.tensor([cap - sink - recent] * 3, dtype=torch.int32, device=DEV)
+    sel = select(q.to(DEV), coarse, fine, ranges, rem, 4.0, parts=2, out=scratch(so, H, DEV), radius_weight=0.25)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    lens_out, windows = emit(sel, chunks, ranges, rows, seq.to(DEV), r2t.to(DEV), sink, recent, cap, parts=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*coarse, *fine, *chunks)))
+    sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
+    for b in range(3):
+        ix = union(shared, own[b])
+        ref = select_clusters(ix, q[b].view(H, G, D), cap - sink - recent, 4.0, "max", 0.25)
+        so_b = int(ranges[RANGE_FIELDS.index("so"), b])
+        assert torch.equal(sel[so_b:so_b + ix.fine_r.shape[1]].T > 0, ref), b
+        starts, lens = torch.cat([s0, own_starts[b]]), torch.cat([l0, own_lens[b]])
+        S = int(seq[b])
+        mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts, starts + lens, S, sink, recent)
+        for h in range(H):
+            i = b * H + h
+            got = windows[i * cap:i * cap + int(lens_out[i])].tolist()
+            assert sorted(got) == sorted(r2t[int(rows[b]), :S][mask[h]].tolist()), (b, h)
+        assert ref.sum() > 0 and int(lens_out[b * H]) > sink + recent
