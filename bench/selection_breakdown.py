@@ -28,7 +28,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     lstarts, ws = c["list_starts"], c["workspace"]
     cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
-    bnd, tok, sel = c["scratch"]
+    bnd, sel = c["scratch"]
     BLOCK_P = 128
     heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
     R, st = retrieving, ranges.stride(0)
@@ -43,12 +43,13 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
                                             BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, ftok, fpar, ranges, st, expanded, bnd, tok, heads, R, 0.25,
+        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, R, 0.25,
                                                 q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
                                                 BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=ks.FINE_BLOCK, PARTS=parts)
 
     def cut():
-        ks._cut_kernel[(bs * R,)](bnd, tok, ranges, st, rem, sel, heads, R, H=H, BLOCK=ks.CUT_BLOCK, num_warps=8)
+        ks._cut_kernel[(bs * R,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, R, H=H, BLOCK=ks.CUT_BLOCK,
+                                  num_warps=8)
 
     def emit():
         return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget,
@@ -63,7 +64,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     coarse_pick(); fine_bounds(); cut(); emit(); attend()
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
-    live = int((bnd[:int(L.sum()), :R] > float("-inf")).sum()) // R
+    live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
     return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in

@@ -29,7 +29,7 @@ def sweep(bs: int, ctx: int) -> list[dict]:
     ranges = c["ranges"]
     st = ranges.stride(0)
     q, rem, seq, r2t, rows = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"]
-    bnd, tok, sel = c["scratch"]
+    bnd, sel = c["scratch"]
     heads = ks.all_heads(H, "cuda")
     expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
     ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, H, 16.0, 0.25, q.stride(0),
@@ -40,7 +40,7 @@ def sweep(bs: int, ctx: int) -> list[dict]:
             for warps in (2, 4, 8):
                 def bounds():
                     ks._fine_bounds_kernel[(bs * H, parts)](
-                        q, fmu, fr, ftok, fpar, ranges, st, expanded, bnd, tok, heads, H, 0.25, q.stride(0), q.stride(1),
+                        q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, H, 0.25, q.stride(0), q.stride(1),
                         fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=tile, PARTS=parts,
                         num_warps=warps)
                 rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
@@ -48,7 +48,8 @@ def sweep(bs: int, ctx: int) -> list[dict]:
     for warps in (2, 4, 8, 16):
         for tile in (8192, 4096):
             def cut():
-                ks._cut_kernel[(bs * H,)](bnd, tok, ranges, st, rem, sel, heads, H, H=H, BLOCK=tile, num_warps=warps)
+                ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
+                                          num_warps=warps)
             rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")
@@ -58,13 +59,13 @@ def sweep(bs: int, ctx: int) -> list[dict]:
                 counts = torch.empty(bs * H * parts, dtype=torch.int32, device="cuda")
 
                 def count():
-                    ks._emit_count_kernel[(bs * H, parts)](sel, cfine, cstart, clen, ranges, st, seq, counts, heads,
+                    ks._emit_count_kernel[(bs * H, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq, counts, heads,
                                                            H, BUDGET, SINK, RECENT, H=H, BLOCK_M=tile, PARTS=parts,
                                                            num_warps=warps)
 
                 def write():
                     ks._emit_write_kernel[(bs * H, parts)](
-                        sel, cfine, cstart, clen, ranges, st, rows, seq, r2t, counts, windows, lens, heads, H,
+                        sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq, r2t, counts, windows, lens, heads, H,
                         r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile, BLOCK_T=64, MAXLEN=16,
                         PARTS=parts, num_warps=warps)
                 t1, t2 = graph_bench(count), graph_bench(write)

@@ -11,8 +11,8 @@ side):
 A request's index is two segments of rows, read as one index: segment 0, adopted from a cached prefix and
 shared read-only by every request that adopted it, then segment 1, the request's own (the chunks past the
 prefix and the chunks grafted at decode). ``ranges`` [RANGE_FIELDS, bs] int32 gives per batch row each
-segment's ``(co, P, fo, L, ko, M)`` and ``so``, the request's rows in the step's scratch (bounds, tokens
-and picks of its ``L0 + L1`` fine clusters: a shared segment's rows are read by many requests of a batch,
+segment's ``(co, P, fo, L, ko, M)`` and ``so``, the request's rows in the step's scratch (bounds and picks
+of its ``L0 + L1`` fine clusters: a shared segment's rows are read by many requests of a batch,
 so nothing per request is written to them). In the union, segment 1's local indexes follow segment 0's:
 its fine parents count from ``P0``, its chunks' clusters from ``L0``. A request without an adopted prefix
 has an empty segment 0.
@@ -110,20 +110,21 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, e
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, FTok, FPar, T, st, Expanded, Bnd, Tok, Heads, R, rw, stride_qb, stride_qh,
-                        stride_fm, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
+                        H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
-    """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), and their tokens, into the
-    request's scratch rows; PARTS programs per (request, retrieval KV head) split the clusters."""
+    """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), into the request's scratch
+    rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     fo0, L0, fo1 = _field(T, st, b, 2), _field(T, st, b, 3), _field(T, st, b, 8)
-    P0, so = _field(T, st, b, 1), _field(T, st, b, 12)
+    P0 = _field(T, st, b, 1)
     L = L0 + _field(T, st, b, 9)
     Qg = Q + b * stride_qb + h * G * stride_qh
+    out = Bnd + h * S + _field(T, st, b, 12)
     for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
         offs_l = blk + tl.arange(0, BLOCK_L)
         lmask = offs_l < L
@@ -136,8 +137,7 @@ def _fine_bounds_kernel(Q, FMu, FR, FTok, FPar, T, st, Expanded, Bnd, Tok, Heads
             fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0.0)
             fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
-        tl.store(Bnd + (so + offs_l) * H + h, fub, mask=lmask)
-        tl.store(Tok + (so + offs_l) * H + h, tl.load(FTok + frow * H + h, mask=live, other=0.0), mask=lmask)
+        tl.store(out + offs_l, fub, mask=lmask)
 
 
 @triton.jit
@@ -148,25 +148,29 @@ def _order_key(ub):
 
 
 @triton.jit
-def _mass_from(Bnd, FTok, fo, L, h, v, H: tl.constexpr, BLOCK: tl.constexpr):
+def _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H: tl.constexpr):
+    """Union clusters ``offs``: their bounds (from the request's scratch row ``Bh``) and tokens (from the pool)."""
+    ub = tl.load(Bh + offs, mask=m, other=NEG)
+    return ub, tl.load(FTok + _union_rows(offs, fo0, L0, fo1) * H + h, mask=m, other=0.0)
+
+
+@triton.jit
+def _mass_from(Bh, FTok, fo0, L0, fo1, L, h, v, H: tl.constexpr, BLOCK: tl.constexpr):
     """Tokens of the live clusters whose key is >= v."""
     total = 0.0
     for blk in range(0, L, BLOCK):
         offs = blk + tl.arange(0, BLOCK)
-        m = offs < L
-        ub = tl.load(Bnd + (fo + offs) * H + h, mask=m, other=NEG)
-        tok = tl.load(FTok + (fo + offs) * H + h, mask=m, other=0.0)
+        ub, tok = _bounds_and_tokens(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
         total += tl.sum(tl.where((ub > NEG) & (_order_key(ub) >= v), tok, 0.0), 0)
     return total
 
 
 @triton.jit
-def _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr):
+def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr):
     """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers."""
     one = tl.arange(0, BLOCK)
     m = one < L
-    ub = tl.load(Bnd + (fo + one) * H + h, mask=m, other=NEG)
-    tok = tl.load(FTok + (fo + one) * H + h, mask=m, other=0.0)
+    ub, tok = _bounds_and_tokens(Bh, FTok, one, m, fo0, L0, fo1, h, H)
     live = ub > NEG
     key = _order_key(ub)
     lo = tl.min(tl.where(live, key, 1 << 40), 0)
@@ -184,58 +188,59 @@ def _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H: tl.constexpr, BLOCK: 
     tie = live & (key == lo)
     run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
     take = live & ((key > lo) | (tie & (run <= budget)))
-    tl.store(Sel + (fo + one) * H + h, take.to(tl.float32), mask=m)
+    tl.store(Sh + one, take.to(tl.float32), mask=m)
 
 
 @triton.jit
-def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
+def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
     program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory.
-    Reads and writes the request's scratch rows only (bounds and tokens from ``_fine_bounds_kernel``)."""
+    Bounds and picks are the request's scratch rows (``Bnd``, ``Sel`` [H, S])."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
     budget = tl.load(Budget + b).to(tl.float32)
-    fo = _field(T, st, b, 12)
-    L = (_field(T, st, b, 3) + _field(T, st, b, 9)).to(tl.int32)
+    fo0, L0, fo1 = _field(T, st, b, 2), _field(T, st, b, 3), _field(T, st, b, 8)
+    L = (L0 + _field(T, st, b, 9)).to(tl.int32)
+    so = h * S + _field(T, st, b, 12)
+    Bh, Sh = Bnd + so, Sel + so
     one = tl.arange(0, BLOCK)
     if L <= BLOCK // 4:
-        _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H, BLOCK // 4)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 4)
     elif L <= BLOCK:
-        _cut_in_registers(Bnd, FTok, Sel, fo, L, h, budget, H, BLOCK)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK)
     else:
         lo = tl.full([], 1 << 40, tl.int64)
         hi = tl.full([], -(1 << 40), tl.int64)
         for blk in range(0, L, BLOCK):
             offs = blk + one
-            ub = tl.load(Bnd + (fo + offs) * H + h, mask=offs < L, other=NEG)
+            ub = tl.load(Bh + offs, mask=offs < L, other=NEG)
             key = _order_key(ub)
             lo = tl.minimum(lo, tl.min(tl.where(ub > NEG, key, 1 << 40), 0))
             hi = tl.maximum(hi, tl.max(tl.where(ub > NEG, key, -(1 << 40)), 0))
         hi += 1
-        total = _mass_from(Bnd, FTok, fo, L, h, lo, H, BLOCK)
+        total = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo, H, BLOCK)
         for _ in range(33):
             mid = lo + (hi - lo) // 2
             if hi - lo > 1:
-                if _mass_from(Bnd, FTok, fo, L, h, mid, H, BLOCK) > budget:
+                if _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget:
                     lo = mid
                 else:
                     hi = mid
         if total <= budget:
             lo -= 1
-        above = _mass_from(Bnd, FTok, fo, L, h, lo + 1, H, BLOCK)
+        above = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo + 1, H, BLOCK)
         for blk in range(0, L, BLOCK):
             offs = blk + one
             m = offs < L
-            ub = tl.load(Bnd + (fo + offs) * H + h, mask=m, other=NEG)
-            tok = tl.load(FTok + (fo + offs) * H + h, mask=m, other=0.0)
+            ub, tok = _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
             live = ub > NEG
             key = _order_key(ub)
             tie = live & (key == lo)
             run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
             take = live & ((key > lo) | (tie & (run <= budget)))
-            tl.store(Sel + (fo + offs) * H + h, take.to(tl.float32), mask=m)
+            tl.store(Sh + offs, take.to(tl.float32), mask=m)
             above += tl.sum(tl.where(tie, tok, 0.0), 0)
 
 
@@ -243,23 +248,25 @@ def all_heads(H: int, device) -> torch.Tensor:
     return torch.arange(H, dtype=torch.int32, device=device)
 
 
-def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(bounds, tokens, picks) [rows, H] float32: a step's per-request fine-cluster rows (``so`` in ``ranges``)."""
-    return tuple(torch.empty(rows, H, dtype=torch.float32, device=device) for _ in range(3))
+def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bounds, picks) [H, rows] float32: a step's per-request fine-cluster rows (``so`` in ``ranges``), each head's
+    contiguous so that a program's tile of clusters is one contiguous load or store."""
+    return tuple(torch.empty(H, rows, dtype=torch.float32, device=device) for _ in range(2))
 
 
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None):
-    """-> sel [S, H] float32 scratch rows (1.0 = take): request ``b``'s fine clusters, in union order, are rows
-    ``so[b] ..`` of it, for the KV heads ``heads`` (int32, default all); other rows and heads are untouched.
+    """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
+    ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
     ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers.
     ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
-    has at most ``max_coarse`` coarse units.
+    has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
+    of a batch read one shared segment without writing to it).
     """
     bs, Hq, D = q.shape
     cmu, cr, ctok = coarse
@@ -270,18 +277,19 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     BLOCK_D = triton.next_power_of_2(D)
     if out is None:
         out = scratch(_scratch_rows(ranges, bs), H, q.device)
-    bnd, tok, sel = out
+    bnd, sel = out
+    assert bnd.stride(0) == sel.stride(0), "bounds and picks in one layout"
     heads = all_heads(H, q.device) if heads is None else heads
     R = heads.numel()
-    st = ranges.stride(0)
+    st, S = ranges.stride(0), bnd.stride(0)
     expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
     _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, budget, expanded, heads, R, float(expand),
                                      float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
                                      BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, ftok, fpar, ranges, st, expanded, bnd, tok, heads, R,
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, S, heads, R,
                                          float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
                                          BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
-    _cut_kernel[(bs * R,)](bnd, tok, ranges, st, budget, sel, heads, R, H=H, BLOCK=cut_block, num_warps=8)
+    _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
 
@@ -304,12 +312,12 @@ def _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent):
 
 
 @triton.jit
-def _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
+def _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
     """Per union chunk ``offs``: its first position past the sink and its token count if its cluster is taken."""
     M0 = _field(T, st, b, 5)
     krow = _union_rows(offs, _field(T, st, b, 4), M0, _field(T, st, b, 10))
     cf = tl.load(CFine + krow * H + h, mask=mm, other=0) + tl.where(offs < M0, 0, _field(T, st, b, 3))
-    take = (tl.load(Sel + (_field(T, st, b, 12) + cf) * H + h, mask=mm, other=0.0) > 0) & mm
+    take = (tl.load(Sel + h * stride_sel + _field(T, st, b, 12) + cf, mask=mm, other=0.0) > 0) & mm
     pos = tl.load(CStart + krow, mask=mm, other=0)
     en = tl.minimum(pos + tl.load(CLen + krow, mask=mm, other=0), rec_start)
     pos = tl.maximum(pos, n_sink)
@@ -317,7 +325,7 @@ def _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_s
 
 
 @triton.jit
-def _emit_count_kernel(Sel, CFine, CStart, CLen, T, st, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
+def _emit_count_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
                        H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -325,13 +333,13 @@ def _emit_count_kernel(Sel, CFine, CStart, CLen, T, st, SeqLen, Counts, Heads, R
     total = 0
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        _, cnt = _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
+        _, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
         total += tl.sum(cnt, 0)
     tl.store(Counts + pid * PARTS + part, total)
 
 
 @triton.jit
-def _emit_write_kernel(Sel, CFine, CStart, CLen, T, st, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
+def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
                        stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, MAXLEN: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
@@ -347,7 +355,7 @@ def _emit_write_kernel(Sel, CFine, CStart, CLen, T, st, Rows, SeqLen, ReqToToken
     src = ReqToToken + row * stride_rt
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        first, cnt = _chunk_counts(Sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
+        first, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
         dst = n + tl.cumsum(cnt, 0) - cnt
         k = tl.arange(0, MAXLEN)
         m2 = (k[None, :] < cnt[:, None]) & ((dst[:, None] + k[None, :]) < CAP)
@@ -379,7 +387,7 @@ def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, re
     all of them. ``out`` = (lens, windows, counts [bs*H*parts] int32).
     """
     cfine, cstart, clen = chunks
-    bs, H = rows.shape[0], sel.shape[1]
+    bs, H = rows.shape[0], sel.shape[0]
     if out is None:
         out = (torch.empty(bs * H, dtype=torch.int32, device=sel.device),
                torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device),
@@ -388,9 +396,9 @@ def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, re
     heads = all_heads(H, sel.device) if heads is None else heads
     R = heads.numel()
     st = ranges.stride(0)
-    _emit_count_kernel[(bs * R, parts)](sel, cfine, cstart, clen, ranges, st, seq_lens, counts, heads, R,
+    _emit_count_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq_lens, counts, heads, R,
                                         dense_limit, sink, recent, H=H, BLOCK_M=EMIT_BLOCK, PARTS=parts)
-    _emit_write_kernel[(bs * R, parts)](sel, cfine, cstart, clen, ranges, st, rows, seq_lens, req_to_token, counts,
+    _emit_write_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq_lens, req_to_token, counts,
                                         windows, lens, heads, R, req_to_token.stride(0), dense_limit, sink, recent, H=H,
                                         CAP=cap, BLOCK_M=EMIT_BLOCK, BLOCK_T=64,
                                         MAXLEN=triton.next_power_of_2(max_chunk), PARTS=parts)
@@ -422,7 +430,7 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
     fmu, fr, ftok, fpar = fine
     bs, Hq, D = q.shape
     H = cmu.shape[1]
-    sel = out[2] if out is not None else scratch(_scratch_rows(ranges, bs), H, q.device)[2]
+    sel = out[1] if out is not None else scratch(_scratch_rows(ranges, bs), H, q.device)[1]
     hs = slice(None) if heads is None else heads.long()
     for b, (r, B) in enumerate(zip(batch_ranges(ranges, bs), budget.tolist())):
         c, f = union_rows(r, "c").to(q.device), union_rows(r, "f").to(q.device)
@@ -432,9 +440,9 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
                             fine_tokens=ftok[f].T, fine_parent=par.T, coarse_mu=cmu[c].transpose(0, 1).float(),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
                             chunk_fine=par[:0].T)
-        rows = slice(r["so"], r["so"] + len(f))
-        sel[rows, hs] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
-                                        radius_weight).T.float()[:, hs]
+        cols = slice(r["so"], r["so"] + len(f))
+        sel[hs, cols] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
+                                        radius_weight).float()[hs]
     return sel
 
 
@@ -443,7 +451,7 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
                     heads: torch.Tensor | None = None):
     """Torch twin of :func:`emit_tokens`: sink, the selected chunks' tokens outside the recent window, recent."""
     cfine, cstart, clen = chunks
-    bs, H = rows.shape[0], sel.shape[1]
+    bs, H = rows.shape[0], sel.shape[0]
     if out is None:
         out = (torch.empty(bs * H, dtype=torch.int32, device=sel.device),
                torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device), None)
@@ -463,7 +471,7 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
         cf = cfine[k].long()
         cf[r["M0"]:] += r["L0"]
         for h in (range(H) if heads is None else heads.tolist()):
-            take = sel[r["so"] + cf[:, h], h] > 0
+            take = sel[h, r["so"] + cf[:, h]] > 0
             mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
             lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]
             i = b * H + h

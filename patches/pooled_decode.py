@@ -28,7 +28,7 @@ from sgl_sparsekv.manager import DEBUG, SparseKVManager
 from sgl_sparsekv.transfer import to_device
 
 SPLITS = 8  # flash-decoding splits of a list
-# a step's selection scratch (bounds, tokens, picks: 12 bytes per KV head) holds this many times the fine pool's
+# a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
 NR = len(RANGE_FIELDS)
@@ -86,7 +86,7 @@ class PooledDecode:
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
         table = [[0] * padded_bs for _ in self.fields]
         table[NR + 1] = [1] * padded_bs   # padding rows: one token of request row 0
-        so, room = 0, self.scratch[0].shape[0]
+        so, room = 0, self.scratch[0].shape[1]
         for i, (row, S, segs) in enumerate(zip(rows, seq_lens, segments)):
             need = sum(seg.L for seg in segs)
             placed = bool(segs) and so + need <= room

@@ -47,7 +47,7 @@ def test_select_fine_matches_reference(G, D):
                           expand, parts=parts, radius_weight=rw).cpu()
         for b, ix in enumerate(indexes):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max", rw)
-            got = sel[own_rows(ranges, b)].T > 0
+            got = sel[:, own_rows(ranges, b)] > 0
             assert torch.equal(got, ref), (b, expand, rw)
 
 
@@ -66,7 +66,7 @@ def test_select_fine_ties_and_the_memory_pass(cut_block):
     ties = 0
     for b, ix in enumerate(indexes):
         ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], 4.0, "max")
-        assert torch.equal(sel[own_rows(ranges, b)].T > 0, ref), b
+        assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref), b
         ub = upper_bound(q[b].view(H, G, D), ix.fine_mu, ix.fine_r, "max")
         ties += sum(len(row) - len(set(row)) for row in ub.tolist())
     assert ties > 0
@@ -114,7 +114,7 @@ def test_select_and_emit_real_shapes(cut_block, rw, heads):
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
     hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
-    out = (*scratch(fine[1].shape[0], H, DEV)[:2], torch.full(fine[1].shape, 7.0, device=DEV))
+    out = (scratch(fine[1].shape[0], H, DEV)[0], torch.full((H, fine[1].shape[0]), 7.0, device=DEV))
     sel = select_fine(q.to(DEV), coarse, fine, ranges, rem, 16.0, cut_block=cut_block, radius_weight=rw,
                       out=out, heads=hs)
     seq = torch.tensor([int(s[-1] + l[-1]) + 5 for s, l in zip(starts, lens)], dtype=torch.int32)
@@ -131,7 +131,7 @@ def test_select_and_emit_real_shapes(cut_block, rw, heads):
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts[b], starts[b] + lens[b], S, sink, recent)
         for h in range(H):
-            got_sel = sel[own_rows(ranges, b), h]
+            got_sel = sel[h, own_rows(ranges, b)]
             i = b * H + h
             if heads is not None and h not in heads:
                 assert (got_sel == 7.0).all() and int(lens_out[i]) == -1, (b, h)
@@ -158,7 +158,7 @@ def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
     rem = torch.tensor([cap - sink - recent] * bs, dtype=torch.int32, device=DEV)
 
     def run(heads, fill):
-        out = (*scratch(fine[1].shape[0], H, DEV)[:2], torch.full(fine[1].shape, fill, device=DEV))
+        out = (scratch(fine[1].shape[0], H, DEV)[0], torch.full((H, fine[1].shape[0]), fill, device=DEV))
         hs = None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV)
         sel = select(q.to(DEV), coarse, fine, ranges, rem, 4.0, parts=2, out=out, heads=hs)
         lists = (torch.full((bs * H,), int(fill), dtype=torch.int32, device=DEV),
@@ -166,7 +166,7 @@ def test_retrieval_heads_only_touch_their_rows_and_lists(ops):
                  torch.empty(bs * H * 2, dtype=torch.int32, device=DEV))
         lens_out, windows = emit(sel, chunks, ranges, rows, seq, r2t, sink, recent, cap, parts=2, out=lists,
                                  heads=hs)
-        return sel.cpu().T, lens_out.cpu().view(bs, H), windows.cpu().view(bs, H, cap)
+        return sel.cpu(), lens_out.cpu().view(bs, H), windows.cpu().view(bs, H, cap)
 
     (sel_all, lens_all, win_all), (sel, lens_part, win_part) = run(None, 0.0), run([2, 0], -3.0)
     mine = [0, 2]
@@ -217,7 +217,7 @@ def test_requests_over_one_shared_segment(ops):
         ix = union(shared, own[b])
         ref = select_clusters(ix, q[b].view(H, G, D), cap - sink - recent, 4.0, "max", 0.25)
         so_b = int(ranges[RANGE_FIELDS.index("so"), b])
-        assert torch.equal(sel[so_b:so_b + ix.fine_r.shape[1]].T > 0, ref), b
+        assert torch.equal(sel[:, so_b:so_b + ix.fine_r.shape[1]] > 0, ref), b
         starts, lens = torch.cat([s0, own_starts[b]]), torch.cat([l0, own_lens[b]])
         S = int(seq[b])
         mask = units_to_token_mask(ref.gather(1, ix.chunk_fine), starts, starts + lens, S, sink, recent)
