@@ -58,7 +58,13 @@ def _program_head(pid, Heads, R):
 
 @triton.jit
 def _field(T, st, b, k: tl.constexpr):
-    """Field ``k`` of RANGE_FIELDS for batch row ``b`` (int64)."""
+    """Field ``k`` of RANGE_FIELDS for batch row ``b``: a count (int32; loops and masks stay 32-bit)."""
+    return tl.load(T + k * st + b)
+
+
+@triton.jit
+def _offset(T, st, b, k: tl.constexpr):
+    """Field ``k`` of RANGE_FIELDS for batch row ``b``: a row offset (int64, for addresses)."""
     return tl.load(T + k * st + b).to(tl.int64)
 
 
@@ -96,7 +102,7 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, e
     P0 = _field(T, st, b, 1)
     offs_p = tl.arange(0, BLOCK_P)
     pmask = offs_p < P0 + _field(T, st, b, 7)
-    crow = _union_rows(offs_p, _field(T, st, b, 0), P0, _field(T, st, b, 6))
+    crow = _union_rows(offs_p, _offset(T, st, b, 0), P0, _offset(T, st, b, 6))
     mu = tl.load(CMu + crow[:, None] * stride_cm + h * D + offs_d[None, :],
                  mask=pmask[:, None] & dmask[None, :], other=0.0)
     r = tl.load(CR + crow * H + h, mask=pmask, other=NEG)
@@ -120,11 +126,11 @@ def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw,
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    fo0, L0, fo1 = _field(T, st, b, 2), _field(T, st, b, 3), _field(T, st, b, 8)
+    fo0, L0, fo1 = _offset(T, st, b, 2), _field(T, st, b, 3), _offset(T, st, b, 8)
     P0 = _field(T, st, b, 1)
     L = L0 + _field(T, st, b, 9)
     Qg = Q + b * stride_qb + h * G * stride_qh
-    out = Bnd + h * S + _field(T, st, b, 12)
+    out = Bnd + h * S + _offset(T, st, b, 12)
     for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
         offs_l = blk + tl.arange(0, BLOCK_L)
         lmask = offs_l < L
@@ -201,9 +207,9 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
     budget = tl.load(Budget + b).to(tl.float32)
-    fo0, L0, fo1 = _field(T, st, b, 2), _field(T, st, b, 3), _field(T, st, b, 8)
-    L = (L0 + _field(T, st, b, 9)).to(tl.int32)
-    so = h * S + _field(T, st, b, 12)
+    fo0, L0, fo1 = _offset(T, st, b, 2), _field(T, st, b, 3), _offset(T, st, b, 8)
+    L = L0 + _field(T, st, b, 9)
+    so = h * S + _offset(T, st, b, 12)
     Bh, Sh = Bnd + so, Sel + so
     one = tl.arange(0, BLOCK)
     if L <= BLOCK // 4:
@@ -315,9 +321,9 @@ def _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent):
 def _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
     """Per union chunk ``offs``: its first position past the sink and its token count if its cluster is taken."""
     M0 = _field(T, st, b, 5)
-    krow = _union_rows(offs, _field(T, st, b, 4), M0, _field(T, st, b, 10))
+    krow = _union_rows(offs, _offset(T, st, b, 4), M0, _offset(T, st, b, 10))
     cf = tl.load(CFine + krow * H + h, mask=mm, other=0) + tl.where(offs < M0, 0, _field(T, st, b, 3))
-    take = (tl.load(Sel + h * stride_sel + _field(T, st, b, 12) + cf, mask=mm, other=0.0) > 0) & mm
+    take = (tl.load(Sel + h * stride_sel + _offset(T, st, b, 12) + cf, mask=mm, other=0.0) > 0) & mm
     pos = tl.load(CStart + krow, mask=mm, other=0)
     en = tl.minimum(pos + tl.load(CLen + krow, mask=mm, other=0), rec_start)
     pos = tl.maximum(pos, n_sink)
