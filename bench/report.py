@@ -266,10 +266,11 @@ def hybrid_breakdown_table(path: Path) -> str:
     for run in r["runs"]:
         for x in run["rows"]:
             sel = x["coarse_ms"] + x["fine_bounds_ms"] + x["cut_ms"] + x["emit_ms"]
-            rows.append((run["device"].replace("NVIDIA ", ""), x["bs"], f"{x['retrieving_heads']} of 8",
+            rows.append((run["device"].replace("NVIDIA ", ""), x["bs"],
+                         f"{x['retrieving_heads']} of 8" + (", shared prefix" if x.get("shared_prefix") else ""),
                          *(f"{x[k]:.4f}" for k in ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")),
                          f"{sel:.3f}", f"{x['attend_ms']:.3f}"))
-    return md_table(f"A sparse layer's GPU time with hybrid heads: {r['what']}; commit {r['commit']} "
+    return md_table(f"A sparse layer's GPU time, part by part: {r['what']}; commit {r['commit']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["card", "batch", "retrieving heads", "coarse", "fine bounds", "cut", "emit",
                      "selection + lists", "attention"], rows)
@@ -441,6 +442,8 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
+                     ("gpu_serving_h200_segments.json", serving_table),
+                     ("selection_breakdown_segments.json", hybrid_breakdown_table),
                      ("selection_breakdown_tiles.json", hybrid_breakdown_table),
                      ("selection_breakdown_hybrid.json", hybrid_breakdown_table),
                      (PARALLEL_RUNS, parallel_table),
