@@ -2,8 +2,9 @@
 
 The decode kernels (``kernels/select.py``) read these pools inside a CUDA graph, so they are
 allocated once, at startup, and sized from the KV pool (see :func:`pool_capacity`; the same
-numbers are charged to SGLang's memory planning by ``patches/plugin.py``). A request owns one range
-of rows in each pool; its chunk range has room to grow, so grafting decoded chunks only writes rows.
+numbers are charged to SGLang's memory planning by ``patches/plugin.py``). An index occupies one range
+of rows in each pool (a segment, ``PoolRanges``); a request's own segment has chunk rows to spare, so
+grafting decoded chunks only writes rows.
 
     coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
@@ -224,13 +225,17 @@ class IndexPools:
         rng.M = M
         return rng
 
-    def export(self, *segments: PoolRanges) -> ClusterIndex:
-        """A copy of the index the segments form together, read as the kernels read them (``index.union``), its
-        cluster sizes counted from the chunks the segments name (a shared segment may hold more)."""
+    def read(self, *segments: PoolRanges) -> ClusterIndex:
+        """A copy of the index the segments form together, as the kernels read it (``index.union``; cluster sizes as
+        stored, so a shared segment's clusters count the chunks past the ones a request shares with it)."""
         ix = self._export(segments[0])
         for rng in segments[1:]:
             ix = union(ix, self._export(rng))
-        return recount(ix, torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments]))
+        return ix
+
+    def export(self, *segments: PoolRanges) -> ClusterIndex:
+        """:meth:`read`, its cluster sizes counted from the chunks the segments name: the request's own index."""
+        return recount(self.read(*segments), torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments]))
 
     def _export(self, rng: PoolRanges) -> ClusterIndex:
         c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)

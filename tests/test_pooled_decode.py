@@ -94,6 +94,7 @@ class TwinWorld(World):
         self.pooled, self.decoder = self.manager, PooledDecode(self.manager, max_bs=8, q_heads=H * G, parts=2)
         self.qgen = torch.Generator().manual_seed(seed + 1)
         self.lists_checked = 0
+        self.overflow = set()   # request rows whose step found no room in the selection scratch (dense)
 
     def append_tokens(self, reqs):
         """Each request samples one token: its KV is written. -> (rows, lengths, host token ids)."""
@@ -119,9 +120,9 @@ class TwinWorld(World):
     def spec_mask(self, row, S, l, q):
         """The token mask the algorithm gives request ``row`` at sparse layer ``l``."""
         st, cfg = self.pooled.states[row], self.cfg
-        if S <= cfg.token_budget or st.pool is None:
+        if S <= cfg.token_budget or st.pool is None or row in self.overflow:
             return torch.ones(H, S, dtype=torch.bool)
-        ix = self.pooled.pools.export(st.pool)
+        ix = self.pooled.pools.read(*st.segments)
         heads = slice(l * H, (l + 1) * H)
         ix = ClusterIndex(**{k: v[heads].float() if v.is_floating_point() else v[heads] for k, v in vars(ix).items()})
         sink, recent = cfg.sink_tokens, cfg.recent_window
@@ -134,6 +135,7 @@ class TwinWorld(World):
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
+        self.overflow = {row for i, row in enumerate(rows) if int(self.decoder.direct[i])}
         scale = D ** -0.5
         inherited = {}   # hybrid heads: each request's masks as the last retrieval head of each KV head left them
         for l in range(self.cfg.dense_layers, LAYERS):
@@ -146,7 +148,7 @@ class TwinWorld(World):
                 mask = inherited.setdefault(row, own.clone())
                 for h in retrieving:
                     mask[h] = own[h]
-                for h in range(H):
+                for h in range(H if row not in self.overflow else 0):   # a dense row reads its whole sequence
                     j = i * H + h
                     got = self.decoder.token_list(j).tolist()
                     want = r2t[row, :S][mask[h]].tolist()
@@ -181,6 +183,53 @@ def test_pooled_decode_equals_spec_under_radix_history(seed):
         w.finish(req, abort=False)
     w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, [])
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+
+
+def test_adopters_of_one_prefix_decode_over_one_shared_segment():
+    """Two requests adopt one cached document's index (one shared segment, each an own segment past it): every
+    token list of every step equals the spec on the index the two segments form, grafts go to the own segments,
+    and a third request over the same document, started while they decode, reads the same shared rows."""
+    w = TwinWorld(7)
+    w.rng = random.Random(3)
+    w.docs = [w.docs[0] * 2]   # past the budget of 128 once the questions are added
+    w.start()
+    w.finish(w.live[0], abort=False)   # the document and its index are cached
+    w.start()
+    w.start()
+    for _ in range(10):
+        w.decode_batch(list(w.live))
+    w.start()
+    for _ in range(10):
+        w.decode_batch(list(w.live))
+    m = w.pooled
+    states = [m.states[r.req_pool_idx] for r in w.live]
+    assert all(st.shared is not None for st in states) and len({st.shared[0] for st in states}) == 1
+    assert m.pools.shared_fill() == {"segments": 1, "references": 3}
+    assert m.stats["grafts"] > 0 and all(st.pool.M > 0 for st in states) and w.lists_checked >= 300
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    m.prepare_extend([], [], [], w.req_pool.req_to_token, [])
+    assert m.pools.shared_fill() == {"segments": 0, "references": 0}
+    assert all(a.free_rows == a.capacity for a in m.pools.alloc.values())
+
+
+def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely():
+    """The selection scratch holds the clusters of the first request only: the second decodes over its whole
+    sequence that step (attention equal to dense, counted as a dense fallback), the first stays sparse."""
+    w = TwinWorld(2)
+    w.rng = random.Random(2)
+    w.docs = [d * 2 for d in w.docs]
+    for _ in range(2):
+        w.start()
+    w.decode_batch(list(w.live))
+    first = w.pooled.states[w.live[0].req_pool_idx]
+    rows = sum(seg.L for seg in first.segments)
+    w.decoder.scratch = tuple(t[:, :rows].contiguous() for t in w.decoder.scratch)
+    before = w.pooled.stats["dense_fallback_steps"]
+    for _ in range(3):
+        w.decode_batch(list(w.live))
+        assert w.overflow == {w.live[1].req_pool_idx}
+    assert w.pooled.stats["dense_fallback_steps"] - before == 3
 
 
 def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
