@@ -47,7 +47,9 @@ def test_sigterm_while_starting_stops_the_server_and_its_children(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert driver.stdout.readline().strip() == "starting"
     deadline = time.time() + 30
-    while not log.read_text().strip() and time.time() < deadline:   # the fake launcher wrote its child's pid
+    # the fake launcher wrote its child's pid (the driver creates the log just after "starting": not yet, on a busy
+    # machine)
+    while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
         time.sleep(0.1)
     child = int(log.read_text().split()[0])
     assert alive(child)
