@@ -7,11 +7,10 @@ layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on 
 shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With hybrid heads
 (config ``head_roles``) a layer selects and emits only for its retrieval heads; a sparse head's list is the one
 its KV head used in the layer before, left in place in ``windows``, and a layer without retrieval heads launches
-no selection at all. A request past its
-budget whose index found no room in the pools (or in the step's scratch) is flagged ``direct``: the attention
-kernel reads its
-whole sequence from its ``req_to_token`` row (dense, counted in ``dense_fallback_steps``). The same steps
-run on the CPU with the kernels' torch twins (``manager.use_kernels`` off).
+no selection at all. A request past its budget whose index found no room in the pools (or in the step's
+scratch) is flagged ``direct``: the attention kernel reads its whole sequence from its ``req_to_token`` row
+(dense, counted in ``dense_fallback_steps``). The same steps run on the CPU with the kernels' torch twins
+(``manager.use_kernels`` off).
 """
 
 from __future__ import annotations
