@@ -27,7 +27,7 @@ import triton
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
-from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, pack, scratch, select_fine
+from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, over_shared, pack, scratch, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -119,13 +119,8 @@ def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False) ->
     for _ in range(bs):
         add(own_tokens, int(starts[0][-1] + lens[0][-1]) if shared else sink)
     coarse, fine, chunks, packed = pack(indexes, starts, lens, "cuda")
-    ranges = packed[:, len(indexes) - bs:].clone()
+    ranges = over_shared(packed) if shared else packed
     F = {name: i for i, name in enumerate(RANGE_FIELDS)}
-    if shared:   # segment 0 of every request: the prefix's rows (column 0); scratch rows one after another
-        for s in ("co", "P", "fo", "L", "ko", "M"):
-            ranges[F[s + "0"]] = packed[F[s + "1"], 0]
-        L = ranges[F["L0"]] + ranges[F["L1"]]
-        ranges[F["so"]] = torch.cumsum(L, 0) - L
     seq = [int(s[-1] + l[-1]) + 8 for s, l in zip(starts[len(indexes) - bs:], lens[len(indexes) - bs:])]
     # random chunk lengths sum past ctx at times: rows as long as the longest sequence, or emission reads past them
     width = max(seq)

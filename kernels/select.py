@@ -261,7 +261,7 @@ def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None):
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
@@ -425,7 +425,7 @@ def batch_ranges(ranges: torch.Tensor, bs: int) -> list[dict]:
 
 
 def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                     radius_weight: float = 1.0, heads: torch.Tensor | None = None):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
     is live where its radius is finite, as the kernels read it."""
@@ -512,3 +512,16 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     chunks = (cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
               cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
     return coarse, fine, chunks, table.to(device)
+
+
+def over_shared(packed: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    """``pack``'s table for indexes [prefix, own_1, ..., own_n] as n requests that adopted the prefix (tests and
+    benchmarks): batch row i reads the prefix's rows as segment 0 and own_{i+1} as segment 1; scratch rows one
+    request after another from ``first_row``."""
+    F = {name: i for i, name in enumerate(RANGE_FIELDS)}
+    ranges = packed[:, 1:].clone()
+    for s in ("co", "P", "fo", "L", "ko", "M"):
+        ranges[F[s + "0"]] = packed[F[s + "1"], 0]
+    L = ranges[F["L0"]] + ranges[F["L1"]]
+    ranges[F["so"]] = first_row + torch.cumsum(L, 0) - L
+    return ranges

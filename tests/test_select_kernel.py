@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparsekv.index import build_index, empty_index, union, upper_bound
-from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, pack, scratch, select_fine,
-                                         select_fine_ref)
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, over_shared, pack, scratch,
+                                         select_fine, select_fine_ref)
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,15 +193,9 @@ def test_requests_over_one_shared_segment(ops):
     end = int(s0[-1] + l0[-1])
     own_starts = [st - 16 + end for st in own_starts]
     coarse, fine, chunks, packed = pack([shared, *own], [s0, *own_starts], [l0, *own_lens], DEV)
-    ranges = torch.zeros(len(RANGE_FIELDS), 4, dtype=torch.int32)   # one spare column: batch rows may be fewer
-    so = 5
-    for b in range(3):
-        for f in ("co", "P", "fo", "L", "ko", "M"):
-            ranges[RANGE_FIELDS.index(f + "0"), b] = packed[RANGE_FIELDS.index(f + "1"), 0]
-            ranges[RANGE_FIELDS.index(f + "1"), b] = packed[RANGE_FIELDS.index(f + "1"), b + 1]
-        ranges[RANGE_FIELDS.index("so"), b] = so
-        so += shared.fine_r.shape[1] + own[b].fine_r.shape[1]
-    ranges = ranges.to(DEV)
+    ranges = torch.zeros(len(RANGE_FIELDS), 4, dtype=torch.int32, device=DEV)   # a spare column: fewer batch rows
+    ranges[:, :3] = over_shared(packed, first_row=5)
+    so = 5 + sum(shared.fine_r.shape[1] + ix.fine_r.shape[1] for ix in own)
     before = [t.clone() for t in (*coarse, *fine, *chunks)]
     sink, recent, cap = 16, 64, 400
     seq = torch.tensor([int(st[-1] + ln[-1]) + 20 if len(st) else end + 20 for st, ln in zip(own_starts, own_lens)],
