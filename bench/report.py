@@ -443,6 +443,8 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
+                     ("gpu_serving_h200_grafts.json", serving_table),
+                     ("gpu_serving_h200_grafts_before.json", serving_table),
                      ("gpu_serving_h200_segments.json", serving_table),
                      ("selection_breakdown_segments.json", hybrid_breakdown_table),
                      ("selection_breakdown_tiles.json", hybrid_breakdown_table),
@@ -453,7 +455,8 @@ def main():
                      ("gpu_serving_h100.json", serving_table),
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
-                     ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200.json", host_table),
+                     ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200_grafts.json", host_table),
+                     ("host_prepare_h200.json", host_table),
                      ("host_prepare_h100.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):

@@ -245,8 +245,9 @@ class SparseKVManager:
             return
         # a finished turn leaves its (grafted) index for the next turn that extends it
         if state.pool is not None:
-            if state.pooled_chunks == len(state.units):
-                self.index_cache.put(state.units, self._lengths(state), self.pools.export(*state.segments))
+            # the chunks past the grafted ones (the recent window's) are left to the next turn's own segment
+            n = state.pooled_chunks
+            self.index_cache.put(state.units[:n], self._lengths(state)[:n], self.pools.export(*state.segments))
             self._free_index(state)
         self.store.release(state.units)
 
@@ -367,7 +368,9 @@ class SparseKVManager:
             for s in states:
                 for seg in s.segments:
                     self.pools.check_range(seg)
-                assert s.pool is None or s.pooled_chunks == len(s.units), (s.segments, len(s.units))
+                # every chunk the index lacks lies inside the recent window, which the step attends in full
+                lacks = s.pool is not None and s.pooled_chunks < len(s.units)
+                assert not lacks or s.starts[s.pooled_chunks] >= s.seq_len - self.cfg.recent_window, (s.segments, s.seq_len)
         return [s.segments for s in states]
 
     def finish_extend(self, req_pool_indices: list[int], complete: list[bool], req_to_token: torch.Tensor,
@@ -467,13 +470,20 @@ class SparseKVManager:
         self.stats["index_pool_full"] += 1
 
     def _graft_pooled(self, states: list[RequestState], plan: PoolPlan, k_buffers) -> None:
-        """Graft every request's chunks that its pooled index lacks, in one launch (a request's chunks in order);
+        """Graft the chunks the requests' pooled indexes lack, every request's at once, when the first missing
+        chunk of any of them is about to leave the recent window (until then each step attends them in full).
+        After a graft no request lacks a chunk that was cut, so the next graft is due when a chunk cut later
+        nears the window's edge, dozens of steps on (a 64-token window, chunks of at most 16): a batch launches
+        grafts once in that many steps, not at every step where one of its requests cut a chunk. Every request's backlog goes in one launch (a request's chunks in order);
         their keys are pooled in one launch too, and both launches' inputs travel in the plan's one upload."""
+        backlog = [s for s in states if s.pool is not None and s.pooled_chunks < len(s.units)]
+        # the step after this one must still find every missing chunk inside its recent window
+        edge = [s.starts[s.pooled_chunks] + self.cfg.recent_window - s.seq_len for s in backlog]
+        if not edge or min(edge) > 0:
+            return
         jobs, lengths, starts = [], [], []
-        for state in states:
+        for state in backlog:
             rng, i = state.pool, state.pooled_chunks
-            if rng is None or i >= len(state.units):
-                continue
             n = len(state.units) - i
             row = self.pools.add_chunks(rng, n)
             if row is None:

@@ -128,7 +128,8 @@ class TwinWorld(World):
         sink, recent = cfg.sink_tokens, cfg.recent_window
         sel = select_chunks(ix, q.view(H, G, D), cfg.token_budget - sink - recent, cfg.coarse_expand, cfg.gqa_reduce,
                             cfg.radius_weight)
-        return units_to_token_mask(sel, torch.tensor(st.starts), torch.tensor(st.ends), S, sink, recent)
+        n = st.pooled_chunks   # the chunks past them lie in the recent window
+        return units_to_token_mask(sel, torch.tensor(st.starts[:n]), torch.tensor(st.ends[:n]), S, sink, recent)
 
     def decode_batch(self, reqs):
         rows, seqs, toks = self.append_tokens(reqs)
@@ -185,6 +186,32 @@ def test_pooled_decode_equals_spec_under_radix_history(seed):
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
 
 
+def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
+    """Decode chunks are grafted only when some request's first missing chunk is about to leave the recent window,
+    and then every request's backlog goes: over a long decode of four requests a graft comes once in dozens of
+    steps (eager grafting launched at every step where a request cut a chunk), and each leaves no request lacking
+    a cut chunk. The debug check of every step (on in tests) asserts no missing chunk lies outside the window."""
+    w = TwinWorld(5, {"recent_window": 64})
+    w.rng = random.Random(5)
+    for _ in range(4):
+        w.start()
+    m, W = w.pooled, w.cfg.recent_window
+    period = W - 2 * w.cfg.chunk_max - 2   # a chunk cut after a graft starts at most 2 chunk lengths back
+    graft_steps = cut_steps = 0
+    steps = 150
+    for _ in range(steps):
+        units = [len(m.states[r.req_pool_idx].units) if r.req_pool_idx in m.states else 0 for r in w.live]
+        grafts = m.stats["grafts"]
+        w.decode_batch_unchecked(list(w.live))
+        states = [m.states[r.req_pool_idx] for r in w.live]
+        cut_steps += any(len(s.units) > n for s, n in zip(states, units) if s.pool is not None)
+        if m.stats["grafts"] > grafts:
+            graft_steps += 1
+            assert all(s.pooled_chunks == len(s.units) for s in states if s.pool is not None)
+    assert all(s.pool is not None for s in states)
+    assert 1 <= graft_steps <= steps // period + 1 and cut_steps >= 3 * graft_steps, (graft_steps, cut_steps)
+
+
 def test_adopters_of_one_prefix_decode_over_one_shared_segment():
     """Two requests adopt one cached document's index (one shared segment, each an own segment past it): every
     token list of every step equals the spec on the index the two segments form, grafts go to the own segments,
@@ -196,10 +223,10 @@ def test_adopters_of_one_prefix_decode_over_one_shared_segment():
     w.finish(w.live[0], abort=False)   # the document and its index are cached
     w.start()
     w.start()
-    for _ in range(10):
+    for _ in range(25):
         w.decode_batch(list(w.live))
     w.start()
-    for _ in range(10):
+    for _ in range(25):
         w.decode_batch(list(w.live))
     m = w.pooled
     states = [m.states[r.req_pool_idx] for r in w.live]
@@ -242,7 +269,7 @@ def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
     w.rng = random.Random(0)
     for _ in range(3):
         w.start()
-    for _ in range(12):
+    for _ in range(40):   # grafts wait for the recent window's edge (32 tokens here)
         w.decode_batch(list(w.live))
     assert w.pooled.stats["grafts"] > 0 and w.lists_checked > 100
 
@@ -310,7 +337,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, monkeyp
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_layers()
-    for it in range(40):
+    for it in range(90):   # grafts wait for the recent window's edge (64 tokens)
         nxt += 3
         step()
         graph.replay()

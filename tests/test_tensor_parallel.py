@@ -101,7 +101,7 @@ def test_ranks_decode_what_one_gpu_decodes(tmp_path, tp, roles):
         else:
             w.decode_compare(list(w.live))
     w.finish(w.live[0], abort=False)
-    for _ in range(4):
+    for _ in range(30):   # past the recent window's edge: grafts
         w.decode_compare(list(w.live))
     whole = w.manager.snapshot_stats()
     assert whole["attended_tokens"] < whole["context_tokens"] and whole["grafts"] > 0 and w.compared > 100
