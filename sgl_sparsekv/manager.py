@@ -370,7 +370,8 @@ class SparseKVManager:
                     self.pools.check_range(seg)
                 # every chunk the index lacks lies inside the recent window, which the step attends in full
                 lacks = s.pool is not None and s.pooled_chunks < len(s.units)
-                assert not lacks or s.starts[s.pooled_chunks] >= s.seq_len - self.cfg.recent_window, (s.segments, s.seq_len)
+                assert not lacks or s.starts[s.pooled_chunks] >= s.seq_len - self.cfg.recent_window, \
+                    (s.segments, s.seq_len)
         return [s.segments for s in states]
 
     def finish_extend(self, req_pool_indices: list[int], complete: list[bool], req_to_token: torch.Tensor,
@@ -474,8 +475,9 @@ class SparseKVManager:
         chunk of any of them is about to leave the recent window (until then each step attends them in full).
         After a graft no request lacks a chunk that was cut, so the next graft is due when a chunk cut later
         nears the window's edge, dozens of steps on (a 64-token window, chunks of at most 16): a batch launches
-        grafts once in that many steps, not at every step where one of its requests cut a chunk. Every request's backlog goes in one launch (a request's chunks in order);
-        their keys are pooled in one launch too, and both launches' inputs travel in the plan's one upload."""
+        grafts once in that many steps, not at every step where one of its requests cut a chunk. Every request's
+        backlog goes in one launch (a request's chunks in order); their keys are pooled in one launch too, and
+        both launches' inputs travel in the plan's one upload."""
         backlog = [s for s in states if s.pool is not None and s.pooled_chunks < len(s.units)]
         # the step after this one must still find every missing chunk inside its recent window
         edge = [s.starts[s.pooled_chunks] + self.cfg.recent_window - s.seq_len for s in backlog]
