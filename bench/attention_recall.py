@@ -17,6 +17,7 @@ error, and the share of KV read. Selection runs through the same functions the s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -266,12 +267,28 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
     ``budgets`` per (layer, KV head))."""
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
+    elif variant in HEDGES:
+        masks = hedged_masks(cfg, HEDGES[variant], ids, layers, positions, table)
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
         query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
         masks = own_masks(cfg, ids, layers, positions, table, bound, query,
                           budgets if variant.endswith("-adaptive-budget") else None)
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
+
+
+def hedged_masks(cfg: SparseKVConfig, share: float, ids, layers, positions, table) -> dict:
+    """Analysis: lychee's selection with ``1 - share`` of the budget past the sink and the recent window, joined with
+    Quest's pages picked with the rest. Quest's per-channel min/max bound sees a page holding one token that takes
+    a head's whole attention (the digit a copying head reads); a cluster of chunk means does not."""
+    free = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+    pages = int(free * share) // cfg.page_size * cfg.page_size
+    own = dataclasses.replace(cfg, token_budget=cfg.token_budget - pages)
+    quest = SparseKVConfig.from_method("quest", {"token_budget": cfg.sink_tokens + cfg.recent_window + pages,
+                                                 "sink_tokens": cfg.sink_tokens, "recent_window": cfg.recent_window})
+    a = own_masks(own, ids, layers, positions, table)
+    b = own_masks(quest, ids, layers, positions, table)
+    return {key: m | b[key] for key, m in a.items()}
 
 
 def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
@@ -312,10 +329,16 @@ VARIANTS = {
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
+    "lychee-quest-hedge-25": {},
+    "lychee-quest-hedge-50": {},
     "quest": {},
     "quest-previous-query": {},
     "quest-gqa-mean": {"gqa_reduce": "mean"},
 }
+
+
+# lychee joined with Quest's pages, which take this share of the budget past the sink and the recent window
+HEDGES = {"lychee-quest-hedge-25": 0.25, "lychee-quest-hedge-50": 0.5}
 
 
 def samples(tok, a):

@@ -234,3 +234,36 @@ def test_attention_recall_several_budgets_match_single_runs(tmp_path, smollm2_di
     for v in ("lychee", "quest"):
         assert both["variants"][f"{v}@256"]["mass_recall"] == one["variants"][v]["mass_recall"]
         assert both["variants"][f"{v}@128"]["kv_read"] < both["variants"][f"{v}@256"]["kv_read"]
+
+
+def test_hedged_masks_join_lychee_and_quest_within_the_budget():
+    """``lychee-quest-hedge-*`` (bench.attention_recall): lychee with part of the budget, joined with Quest's pages
+    picked with the rest; never more tokens than the budget per KV head, and a token that takes one query head's
+    whole attention (a key along that query) is found by the pages' min/max bound."""
+    import numpy as np
+    import torch
+
+    from bench.attention_recall import HEDGES, hedged_masks, own_masks
+    from sgl_sparsekv.chunking import BoundaryTable
+    from sgl_sparsekv.config import SparseKVConfig
+
+    g = torch.Generator().manual_seed(0)
+    T, H, G, d, planted = 1500, 2, 2, 16, 700
+    table = BoundaryTable.from_texts(["a", " b", ".", " c", "\n"])
+    ids = np.array(torch.randint(0, 5, (T,), generator=g))
+    layers = []
+    for _ in range(3):
+        q, k, v = (torch.randn(n, T, d, generator=g) for n in (H * G, H, H))
+        k[1, planted] = 40 * q[3, T - 1] / q[3, T - 1].norm()     # query head 3 (KV head 1) reads only this key
+        layers.append((q, k, v))
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    pages = (256 - 16 - 64) // 4 // 16 * 16
+    masks = hedged_masks(cfg, HEDGES["lychee-quest-hedge-25"], ids, layers, [T - 1], table)
+    own = own_masks(SparseKVConfig.from_method("lychee", {"token_budget": 256 - pages}), ids, layers, [T - 1], table)
+    quest = own_masks(SparseKVConfig.from_method("quest", {"token_budget": 16 + 64 + pages}), ids, layers, [T - 1],
+                      table)
+    assert set(masks) == set(own) == {(2, T - 1)}   # layers 0 and 1 are dense
+    for key, m in masks.items():
+        assert torch.equal(m, own[key] | quest[key])
+        assert int(m.sum(-1).max()) <= 256 and bool((m & ~own[key]).any())   # the pages add tokens
+    assert all(bool(m[1, planted]) for m in quest.values())
