@@ -314,6 +314,9 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
     return out
 
 
+# lychee joined with Quest's pages, which take this share of the budget past the sink and the recent window
+HEDGES = {"lychee-quest-hedge-25": 0.25, "lychee-quest-hedge-50": 0.5}
+
 VARIANTS = {
     "lychee": {},
     "lychee-served": {},
@@ -329,16 +332,11 @@ VARIANTS = {
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
-    "lychee-quest-hedge-25": {},
-    "lychee-quest-hedge-50": {},
+    **{v: {} for v in HEDGES},
     "quest": {},
     "quest-previous-query": {},
     "quest-gqa-mean": {"gqa_reduce": "mean"},
 }
-
-
-# lychee joined with Quest's pages, which take this share of the budget past the sink and the recent window
-HEDGES = {"lychee-quest-hedge-25": 0.25, "lychee-quest-hedge-50": 0.5}
 
 
 def samples(tok, a):
