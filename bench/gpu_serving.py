@@ -43,8 +43,8 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-1": {"fine_cluster_size": 1.0}}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
-          "dense_fallback_steps", "decode_prepare_s", "index_build_s", "decode_host_syncs", "prepare_frees_s",
-          "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
+          "dense_fallback_steps", "scratch_full_steps", "decode_prepare_s", "index_build_s", "index_release_s",
+          "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
 
 
 def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:

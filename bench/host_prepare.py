@@ -6,7 +6,8 @@ A Llama-3.1-8B-shaped manager (30 sparse layers, 8 KV heads, d 128) holds ``--ba
 ``--context`` tokens (structure-aware chunks over random token ids with a synthetic boundary table), then
 decodes ``--steps`` timed steps (after 100 warm-up steps; 50 more under cProfile): each step one token per request, as the server's backend feeds it (host token
 lists, no device reads). Reports milliseconds per step (target: <= 0.3 at batch 16), split into the manager's
-phases, and a cProfile of it.
+phases, and a cProfile of it. Then the requests finish one by one: host milliseconds per release (the finished
+request's index cached, its rows freed) and the synchronizing calls among them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import io
 import json
 import pstats
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -36,6 +38,27 @@ def pooled_manager(layers: int, slots: int, device, rng) -> tuple[SparseKVManage
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024})
     k = torch.randn(slots, H, D, device=device, dtype=torch.bfloat16)
     return SparseKVManager(cfg, layers, H, D, slots, device=device, boundary_table=table), k
+
+
+def release_all(m: SparseKVManager, rows: list[int]) -> tuple[dict, int]:
+    """Finish the requests one at a time, as the decode step that follows each finish applies it (its index
+    cached, its pool rows freed): host milliseconds per release (median, max) with the GPU idle, and the
+    synchronizing CUDA calls they made (each would stall a served step behind the step in flight)."""
+    times = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for row in rows:
+                torch.cuda.synchronize()
+                m.request_freed(row)
+                t0 = time.perf_counter()
+                m.apply_frees(wait=False)
+                times.append(1000 * (time.perf_counter() - t0))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"median": round(float(np.median(times)), 3), "max": round(max(times), 3)}, syncs
 
 
 def main():
@@ -85,9 +108,11 @@ def main():
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    release_ms, release_syncs = release_all(m, rows)
     res = {"device": torch.cuda.get_device_name(), "batch": bs, "context": n, "steps": a.steps,
            "host_ms_per_step": round(host_ms, 3), "phase_ms_per_step": phases, "grafts": m.stats["grafts"],
-           "decode_host_syncs": m.stats["decode_host_syncs"], "profile_top": s.getvalue().splitlines()[:45]}
+           "decode_host_syncs": m.stats["decode_host_syncs"], "release_ms": release_ms,
+           "release_syncs": release_syncs, "profile_top": s.getvalue().splitlines()[:45]}
     print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}))
     print(s.getvalue()[:6000])
     with open(a.out, "w") as f:

@@ -318,12 +318,18 @@ def _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent):
 
 
 @triton.jit
-def _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, mm, h, n_sink, rec_start, H: tl.constexpr):
+def _chunk_ranges(T, st, b):
+    """A request's chunk segments and scratch row, read once per program: (ko0, M0, ko1, L0, so)."""
+    return _offset(T, st, b, 4), _field(T, st, b, 5), _offset(T, st, b, 10), _field(T, st, b, 3), _offset(T, st, b, 12)
+
+
+@triton.jit
+def _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, ko0, M0, ko1, L0, so, offs, mm, h, n_sink, rec_start,
+                  H: tl.constexpr):
     """Per union chunk ``offs``: its first position past the sink and its token count if its cluster is taken."""
-    M0 = _field(T, st, b, 5)
-    krow = _union_rows(offs, _offset(T, st, b, 4), M0, _offset(T, st, b, 10))
-    cf = tl.load(CFine + krow * H + h, mask=mm, other=0) + tl.where(offs < M0, 0, _field(T, st, b, 3))
-    take = (tl.load(Sel + h * stride_sel + _offset(T, st, b, 12) + cf, mask=mm, other=0.0) > 0) & mm
+    krow = _union_rows(offs, ko0, M0, ko1)
+    cf = tl.load(CFine + krow * H + h, mask=mm, other=0) + tl.where(offs < M0, 0, L0)
+    take = (tl.load(Sel + h * stride_sel + so + cf, mask=mm, other=0.0) > 0) & mm
     pos = tl.load(CStart + krow, mask=mm, other=0)
     en = tl.minimum(pos + tl.load(CLen + krow, mask=mm, other=0), rec_start)
     pos = tl.maximum(pos, n_sink)
@@ -336,10 +342,12 @@ def _emit_count_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, SeqLen, Coun
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h, M, S, n_sink, rec_start = _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent)
+    ko0, M0, ko1, L0, so = _chunk_ranges(T, st, b)
     total = 0
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        _, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
+        _, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, ko0, M0, ko1, L0, so, offs, offs < M, h, n_sink,
+                               rec_start, H)
         total += tl.sum(cnt, 0)
     tl.store(Counts + pid * PARTS + part, total)
 
@@ -359,9 +367,11 @@ def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen
     lst = b * H + h   # the list's place in Out and Lens; a sparse head's place keeps its parent layer's list
     base = lst * CAP
     src = ReqToToken + row * stride_rt
+    ko0, M0, ko1, L0, so = _chunk_ranges(T, st, b)
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
         offs = blk + tl.arange(0, BLOCK_M)
-        first, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, T, st, b, offs, offs < M, h, n_sink, rec_start, H)
+        first, cnt = _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, ko0, M0, ko1, L0, so, offs, offs < M, h,
+                                   n_sink, rec_start, H)
         dst = n + tl.cumsum(cnt, 0) - cnt
         k = tl.arange(0, MAXLEN)
         m2 = (k[None, :] < cnt[:, None]) & ((dst[:, None] + k[None, :]) < CAP)

@@ -24,6 +24,8 @@ COUNTERS = {
     "index_pool_full": ("index_pool_full", "Times an index found no room in the GPU index pools."),
     "dense_fallback_steps": ("dense_fallback_steps",
                              "Request decode steps run densely because their index had no room in the pools."),
+    "scratch_full_steps": ("scratch_full_steps",
+                           "Request decode steps run densely because the batch outgrew the selection scratch."),
     "decode_host_syncs": ("decode_host_syncs",
                           "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
                           "through ForwardBatch.init_new)."),

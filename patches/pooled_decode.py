@@ -23,7 +23,7 @@ from sgl_sparsekv import head_roles
 from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, emit_tokens_ref, scratch, select_fine,
                                          select_fine_ref)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
-from sgl_sparsekv.manager import DEBUG, SparseKVManager
+from sgl_sparsekv.manager import DEBUG, SparseKVManager, logger
 from sgl_sparsekv.transfer import to_device
 
 SPLITS = 8  # flash-decoding splits of a list
@@ -97,6 +97,8 @@ class PooledDecode:
                 table[NR - 1][i] = so
                 so += need
             direct = m.needs_sparse(S) and not placed
+            if direct and segs:
+                self._scratch_full()
             table[NR][i], table[NR + 1][i], table[NR + 2][i], table[NR + 3][i] = row, S, retrieve, int(direct)
             m.stats["context_tokens"] += S
             m.stats["attended_tokens"] += S if direct else min(S, cfg.token_budget)
@@ -105,6 +107,15 @@ class PooledDecode:
             check_table(table, len(rows), m.pools.capacity, room, req_to_token.shape)
         self.table[:, :padded_bs].copy_(to_device(torch.tensor(table, dtype=torch.int32), self.table.device))
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
+
+    def _scratch_full(self) -> None:
+        """A request whose index is in the pools found no room in the step's selection scratch: it decodes densely
+        this step (never on less context)."""
+        m = self.manager
+        if not m.stats["scratch_full_steps"]:
+            logger.warning("sparse-kv: a decode batch's fine clusters outgrew the selection scratch; the requests "
+                           "past it decode densely that step (counted in scratch_full_steps)")
+        m.stats["scratch_full_steps"] += 1
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:

@@ -195,7 +195,8 @@ class SparseKVManager:
         self._ordered: deque = deque()
         self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0,
                       "dense_steps": 0, "attended_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
-                      "dense_fallback_steps": 0, "decode_prepare_s": 0.0, "index_build_s": 0.0, "decode_host_syncs": 0,
+                      "dense_fallback_steps": 0, "scratch_full_steps": 0, "decode_prepare_s": 0.0,
+                      "index_build_s": 0.0, "index_release_s": 0.0, "decode_host_syncs": 0,
                       **{k: 0.0 for k in PREPARE_PHASES}}
 
     # ------------------------------------------------------------------ frees (any thread)
@@ -245,13 +246,19 @@ class SparseKVManager:
             return
         # a finished turn leaves its (grafted) index for the next turn that extends it
         if state.pool is not None:
-            # the chunks past the grafted ones (the recent window's) are left to the next turn's own segment
-            n = state.pooled_chunks
-            self.index_cache.put(state.units[:n], self._lengths(state)[:n], self.pools.export(*state.segments))
-            self._free_index(state)
+            t0 = time.perf_counter()
+            self._release_index(state, finished=True)
+            self.stats["index_release_s"] += time.perf_counter() - t0
         self.store.release(state.units)
 
-    def _free_index(self, state: RequestState) -> None:
+    def _release_index(self, state: RequestState, finished: bool) -> None:
+        """Cache the index over the chunks grafted so far, then free its pool rows. The chunks past them (the
+        recent window's) are left to whoever extends it. ``finished``: the entry replaces the entries its chain
+        extends (the next turn adopts it); else it is kept beside them (a request that ran out of pool room
+        adopts it when it retries)."""
+        n = state.pooled_chunks
+        cache = self.index_cache.put if finished else self.index_cache.add
+        cache(state.units[:n], self._lengths(state)[:n], self.pools.export(*state.segments))
         self.pools.free(state.pool)
         if state.shared is not None:
             self.pools.release(state.shared[0])
@@ -478,21 +485,18 @@ class SparseKVManager:
         grafts once in that many steps, not at every step where one of its requests cut a chunk. Every request's
         backlog goes in one launch (a request's chunks in order); their keys are pooled in one launch too, and
         both launches' inputs travel in the plan's one upload."""
-        backlog = [s for s in states if s.pool is not None and s.pooled_chunks < len(s.units)]
+        backlog = [(s, i) for s in states if s.pool is not None for i in (s.pooled_chunks,) if i < len(s.units)]
         # the step after this one must still find every missing chunk inside its recent window
-        edge = [s.starts[s.pooled_chunks] + self.cfg.recent_window - s.seq_len for s in backlog]
-        if not edge or min(edge) > 0:
+        if not backlog or min(s.starts[i] - s.seq_len for s, i in backlog) + self.cfg.recent_window > 0:
             return
         jobs, lengths, starts = [], [], []
-        for state in backlog:
-            rng, i = state.pool, state.pooled_chunks
-            n = len(state.units) - i
+        for state, i in backlog:
+            rng, n = state.pool, len(state.units) - i
             row = self.pools.add_chunks(rng, n)
             if row is None:
-                # no room to grow: cache what is grafted so far (the retry adopts it), decode densely
-                self.index_cache.add(state.units[:i], self._lengths(state)[:i], self.pools.export(*state.segments))
+                # no room to grow: decode densely; a new generation, so the request retries at the next step
                 self._unplaced(state)
-                self._free_index(state)   # a new generation: the request retries at the next step
+                self._release_index(state, finished=False)
                 continue
             jobs.append((len(plan.spans), n, rng.fo, rng.L, rng.co, row))
             for a, b in zip(state.starts[i:], state.ends[i:]):

@@ -256,7 +256,7 @@ def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely():
     for _ in range(3):
         w.decode_batch(list(w.live))
         assert w.overflow == {w.live[1].req_pool_idx}
-    assert w.pooled.stats["dense_fallback_steps"] - before == 3
+    assert w.pooled.stats["dense_fallback_steps"] - before == 3 == w.pooled.stats["scratch_full_steps"]
 
 
 def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
@@ -347,6 +347,16 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, monkeyp
             assert torch.allclose(outs[l - 1][:3].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l)
     assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
+    # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
+    done = pooled.states[rows[0]]
+    grafted = done.units[:done.pooled_chunks]
+    pooled.request_freed(rows[0])
+    torch.cuda.set_sync_debug_mode("error" if no_sync else 0)
+    try:
+        pooled.apply_frees(wait=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert rows[0] not in pooled.states and pooled.index_cache.find(grafted)[1] == len(grafted)
     pooled.prepare_extend([], [], [], r2t, [])   # the key slots of the units cut at decode all arrive
     assert pooled.store.unkeyed == 0 and pooled.snapshot_stats()["unit_refs_unaccounted"] == 0
 
