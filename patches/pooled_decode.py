@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from sgl_sparsekv import head_roles
@@ -105,7 +106,7 @@ class PooledDecode:
             m.stats["dense_fallback_steps"] += direct
         if DEBUG:
             check_table(table, len(rows), m.pools.capacity, room, req_to_token.shape)
-        self.table[:, :padded_bs].copy_(to_device(torch.tensor(table, dtype=torch.int32), self.table.device))
+        self.table[:, :padded_bs].copy_(to_device(torch.from_numpy(np.array(table, dtype=np.int32)), self.table.device))
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
     def _scratch_full(self) -> None:

@@ -27,16 +27,21 @@ CACHE_BYTES = 1 << 30
 
 @dataclass
 class CachedIndex:
-    units: list[int]
+    units: np.ndarray                       # int64 unit ids
     lengths: torch.Tensor                   # tokens per unit
     index: ClusterIndex
 
 
-def common_prefix(a, b) -> int:
-    """Length of the common prefix of two unit chains (lists or arrays of ids)."""
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two unit chains (int64 arrays of ids)."""
     n = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
+
+
+def chain(units) -> np.ndarray:
+    """A unit chain as the cache compares it (a request's thousands of ids converted once, not per entry)."""
+    return np.asarray(units, dtype=np.int64)
 
 
 def truncate(index: ClusterIndex, lengths: torch.Tensor, n: int) -> ClusterIndex:
@@ -61,7 +66,7 @@ class IndexCache:
 
     def find(self, units: list[int]) -> tuple[int, int] | None:
         """(entry id, shared prefix length) of the best entry for a chain, or None."""
-        best = None
+        best, units = None, chain(units)
         for eid, entry in self.entries.items():
             n = common_prefix(entry.units, units)
             if n and (best is None or n > best[1]):
@@ -78,15 +83,16 @@ class IndexCache:
 
     def add(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
         """Cache a copy of the index over exactly ``units`` (replacing the entry of the same chain)."""
-        if not units or index.num_chunks != len(units):
+        units = chain(units)
+        if not len(units) or index.num_chunks != len(units):
             return
-        key = (units[-1], len(units))
+        key = (int(units[-1]), len(units))
         self.store.retain(units)   # before dropping an entry of the same chain, so no unit goes in between
         if key in self._by_chain:
             self._evict(self._by_chain[key])
         eid = self._next
         self._next += 1
-        self.entries[eid] = CachedIndex(list(units), lengths.clone(), index.compact())
+        self.entries[eid] = CachedIndex(units, lengths.clone(), index.compact())
         self._by_chain[key] = eid
         self.bytes += self.entries[eid].index.nbytes()
         while len(self.entries) > 1 and (len(self.entries) > self.max_entries or self.bytes > self.max_bytes):
@@ -94,6 +100,7 @@ class IndexCache:
 
     def put(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
         """Cache the index of a finished request; drops the entries its chain extends."""
+        units = chain(units)
         for eid in [e for e, ent in self.entries.items()
                     if len(ent.units) < len(units) and common_prefix(ent.units, units) == len(ent.units)]:
             self._evict(eid)
@@ -102,7 +109,7 @@ class IndexCache:
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)
         self.bytes -= entry.index.nbytes()
-        del self._by_chain[(entry.units[-1], len(entry.units))]
+        del self._by_chain[(int(entry.units[-1]), len(entry.units))]
         self.store.release(entry.units)
 
     def clear(self) -> None:

@@ -235,7 +235,11 @@ class IndexPools:
 
     def export(self, *segments: PoolRanges) -> ClusterIndex:
         """:meth:`read`, its cluster sizes counted from the chunks the segments name: the request's own index."""
-        return recount(self.read(*segments), torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments]))
+        return recount(self.read(*segments), self.lengths(*segments))
+
+    def lengths(self, *segments: PoolRanges) -> torch.Tensor:
+        """Tokens per chunk of the segments' chunks, in union order (on the device)."""
+        return torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments])
 
     def _export(self, rng: PoolRanges) -> ClusterIndex:
         c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)

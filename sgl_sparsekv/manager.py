@@ -115,14 +115,15 @@ class PoolPlan:
             counts = end - start
             indptr = np.concatenate([[0], np.cumsum(counts)])
             pos = np.arange(indptr[-1]) + np.repeat(start - indptr[:-1], counts)
-            n, t = len(uid), len(pos) + len(kpos)
+            # (request row, position) as flat indexes into req_to_token: one gather (torch.take) on the device
+            width = self.req_to_token.shape[1]
+            at = np.concatenate([np.repeat(row, counts) * width + pos, krow * width + kpos])
+            n, t = len(uid), len(at)
             flat = to_device(torch.from_numpy(np.concatenate(
-                [uid, indptr, np.repeat(row, counts), krow, pos, kpos, np.asarray(self.payload, dtype=np.int64)])),
-                device)
-            rows = slice(2 * n + 1, 2 * n + 1 + t)
-            slots = self.req_to_token[flat[rows], flat[rows.stop:rows.stop + t]].to(torch.int32)
+                [uid, indptr, at, np.asarray(self.payload, dtype=np.int64)])), device)
+            slots = torch.take(self.req_to_token, flat[2 * n + 1:2 * n + 1 + t]).to(torch.int32)
             self._packed = (flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32), slots[t - len(kpos):],
-                            flat[rows.stop + t:])
+                            flat[2 * n + 1 + t:])
         return self._packed
 
 
@@ -256,9 +257,9 @@ class SparseKVManager:
         recent window's) are left to whoever extends it. ``finished``: the entry replaces the entries its chain
         extends (the next turn adopts it); else it is kept beside them (a request that ran out of pool room
         adopts it when it retries)."""
-        n = state.pooled_chunks
+        segs = state.segments
         cache = self.index_cache.put if finished else self.index_cache.add
-        cache(state.units[:n], self._lengths(state)[:n], self.pools.export(*state.segments))
+        cache(state.units[:state.pooled_chunks], self.pools.lengths(*segs), self.pools.export(*segs))
         self.pools.free(state.pool)
         if state.shared is not None:
             self.pools.release(state.shared[0])
@@ -427,8 +428,8 @@ class SparseKVManager:
         """Bring a request's all-layer index into the pools: a cached prefix's index as a shared segment (loaded
         once for all its adopters), and the chunks past it clustered into a segment of its own; or built."""
         shared, seg = 0, None
+        starts = to_device(torch.from_numpy(np.asarray(state.starts, dtype=np.int32)), self.device)
         lengths = self._lengths(state)
-        starts = to_device(torch.tensor(state.starts, dtype=torch.int32), self.device)
         found = self.index_cache.find(state.units)
         if found is not None:
             eid, n = found
@@ -549,7 +550,8 @@ class SparseKVManager:
         return units_to_token_mask(unit_sel, starts, ends, S, sink, recent)
 
     def _lengths(self, state: RequestState) -> torch.Tensor:
-        return to_device(torch.tensor(state.ends) - torch.tensor(state.starts), self.device)
+        """Tokens per unit of a request's chain, on the device (numpy: thousands of ids)."""
+        return to_device(torch.from_numpy(np.subtract(state.ends, state.starts)), self.device)
 
     # ------------------------------------------------------------------ reporting
     def snapshot_stats(self) -> dict:

@@ -142,17 +142,17 @@ class UnitStore:
 
     def retain(self, ids) -> None:
         if len(ids):
-            np.add.at(self.refs, np.asarray(ids, dtype=np.int64), 1)
+            touched, counts = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+            self.refs[touched] += counts.astype(self.refs.dtype)
 
     def release(self, ids) -> None:
         if not len(ids):
             return
-        ids = np.asarray(ids, dtype=np.int64)
-        np.subtract.at(self.refs, ids, 1)
-        touched, first = np.unique(ids, return_index=True)
+        touched, first, counts = np.unique(np.asarray(ids, dtype=np.int64), return_index=True, return_counts=True)
+        self.refs[touched] -= counts.astype(self.refs.dtype)
+        assert (self.refs[touched] >= 0).all(), "a unit released more often than retained"
         gone = touched[np.argsort(first)]   # in the order given, as a loop of single releases would free them
         gone = gone[self.refs[gone] == 0]
-        assert (self.refs[ids] >= 0).all(), "a unit released more often than retained"
         self._free.extend(gone.tolist())
         self.stats["units_freed"] += len(gone)
 
