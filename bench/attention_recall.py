@@ -325,6 +325,7 @@ VARIANTS = {
     "lychee-cluster-token-bound": {},
     "lychee-chunk-token-bound": {},
     "lychee-fine-1": {"fine_cluster_size": 1.0},
+    "lychee-fine-1.5": {"fine_cluster_size": 1.5},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},

@@ -308,6 +308,13 @@ def host_table(path: Path) -> str:
         b = r["same_call_before"]
         line += (f"; in the same call, {' and '.join(map(str, r['runs_ms_per_step']))} ms against "
                  f"{' and '.join(map(str, b['host_ms_per_step']))} at {b['commit']}")
+        if "release_median_ms_runs" in r:
+            line += (f"; releasing a finished request (its index cached, its rows freed), median ms per request "
+                     f"{' / '.join(map(str, r['release_median_ms_runs']))} against "
+                     f"{' / '.join(map(str, b['release_median_ms_runs']))} at {b['commit']}, "
+                     f"{r['release_syncs']} syncs")
+    if r.get("note"):
+        line += f" ({r['note']})"
     return line + f" (`{path.relative_to(RESULTS.parent.parent)}`)"
 
 
@@ -444,6 +451,7 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
+                     ("gpu_serving_h100_release.json", serving_table),
                      ("gpu_serving_h200_grafts.json", serving_table),
                      ("gpu_serving_h200_grafts_before.json", serving_table),
                      ("gpu_serving_h200_segments.json", serving_table),
@@ -456,7 +464,8 @@ def main():
                      ("gpu_serving_h100.json", serving_table),
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
-                     ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h200_grafts.json", host_table),
+                     ("selection_breakdown_h100.json", breakdown_table), ("host_prepare_h100_release.json", host_table),
+                     ("host_prepare_h200_grafts.json", host_table),
                      ("host_prepare_h200.json", host_table),
                      ("host_prepare_h100.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
