@@ -431,6 +431,7 @@ def main():
                      ("selection_query_qwen_4k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
+                     ("attention_recall_qwen_mv30k_fine1.json", recall_table),
                      ("attention_recall_qwen_vt16k_query.json", recall_table),
                      ("attention_recall_qwen_variable_tracking_4k.json", recall_table),
                      ("attention_recall_qwen_niah_multivalue_4k.json", recall_table),
