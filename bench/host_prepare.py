@@ -27,6 +27,7 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.manager import PREPARE_PHASES, SparseKVManager
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from sgl_sparsekv.transfer import sync_check
 
 LAYERS, H, HQ, D, VOCAB = 32, 8, 32, 128, 32000
 
@@ -45,18 +46,14 @@ def release_all(m: SparseKVManager, rows: list[int]) -> tuple[dict, int]:
     cached, its pool rows freed): host milliseconds per release (median, max) with the GPU idle, and the
     synchronizing CUDA calls they made (each would stall a served step behind the step in flight)."""
     times = []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for row in rows:
-                torch.cuda.synchronize()
-                m.request_freed(row)
-                t0 = time.perf_counter()
-                m.apply_frees(wait=False)
-                times.append(1000 * (time.perf_counter() - t0))
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    with warnings.catch_warnings(record=True) as caught, sync_check("warn"):
+        warnings.simplefilter("always")
+        for row in rows:
+            torch.cuda.synchronize()
+            m.request_freed(row)
+            t0 = time.perf_counter()
+            m.apply_frees(wait=False)
+            times.append(1000 * (time.perf_counter() - t0))
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return {"median": round(float(np.median(times)), 3), "max": round(max(times), 3)}, syncs
 

@@ -233,9 +233,10 @@ class IndexPools:
             ix = union(ix, self._export(rng))
         return ix
 
-    def export(self, *segments: PoolRanges) -> ClusterIndex:
-        """:meth:`read`, its cluster sizes counted from the chunks the segments name: the request's own index."""
-        return recount(self.read(*segments), self.lengths(*segments))
+    def export(self, *segments: PoolRanges, lengths: torch.Tensor | None = None) -> ClusterIndex:
+        """:meth:`read`, its cluster sizes counted from the chunks the segments name (``lengths``, if the caller
+        has them already): the request's own index."""
+        return recount(self.read(*segments), self.lengths(*segments) if lengths is None else lengths)
 
     def lengths(self, *segments: PoolRanges) -> torch.Tensor:
         """Tokens per chunk of the segments' chunks, in union order (on the device)."""

@@ -23,7 +23,8 @@ prefill writes the keys (``pool_layer``), and selects per request (``select``).
 
 A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
 scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
-of units cut at decode come back one step late (``transfer.LateRead``).
+of units cut at decode are gathered with the next graft's chunks and come back one step after it
+(``transfer.LateRead``); quest asks for them at every step.
 
 It knows nothing of SGLang: the attention backend in ``sgl_sparsekv.patches`` feeds it batch
 facts (request pool rows, lengths, the requests' token ids) and the per-layer KV buffers.
@@ -75,6 +76,9 @@ class RequestState:
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
     row: int = -1   # the request's row in req_to_token (its key in ``SparseKVManager.states``)
+    # units cut at decode whose key slots nobody asked the device for yet (lychee asks at its grafts; a request
+    # that finishes before drops their keys: a later turn re-cuts those tokens, as it would past its cached index)
+    unkeyed: list[int] = field(default_factory=list)
 
     @property
     def indexed_end(self) -> int:
@@ -190,7 +194,7 @@ class SparseKVManager:
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
-        self._new_keys: list[int] = []   # units cut at decode this step (their key positions are in the plan)
+        self._new_keys: list[int] = []   # units whose key positions are in this step's plan
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -250,6 +254,7 @@ class SparseKVManager:
             t0 = time.perf_counter()
             self._release_index(state, finished=True)
             self.stats["index_release_s"] += time.perf_counter() - t0
+        self.store.drop_unkeyed(state.unkeyed)
         self.store.release(state.units)
 
     def _release_index(self, state: RequestState, finished: bool) -> None:
@@ -259,7 +264,8 @@ class SparseKVManager:
         adopts it when it retries)."""
         segs = state.segments
         cache = self.index_cache.put if finished else self.index_cache.add
-        cache(state.units[:state.pooled_chunks], self.pools.lengths(*segs), self.pools.export(*segs))
+        lengths = self.pools.lengths(*segs)
+        cache(state.units[:state.pooled_chunks], lengths, self.pools.export(*segs, lengths=lengths))
         self.pools.free(state.pool)
         if state.shared is not None:
             self.pools.release(state.shared[0])
@@ -289,6 +295,7 @@ class SparseKVManager:
         device: the key slots of the units cut here come back one step late."""
         self.apply_frees(wait=False)
         plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        self._ask_keys([self.states[idx] for idx in req_pool_indices], plan)
         self._read_new_keys(plan)
         return plan
 
@@ -305,8 +312,17 @@ class SparseKVManager:
             self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
         return plan
 
+    def _ask_keys(self, states: list[RequestState], plan: PoolPlan) -> None:
+        """Add the key positions of the states' units cut at decode to the plan (before it is packed)."""
+        la, start = self.chunker.lookahead, self.store.unit_start
+        for s in states:
+            if s.unkeyed:
+                plan.keys.extend((s.row, int(start[u]) + la - 1) for u in s.unkeyed)
+                self._new_keys.extend(s.unkeyed)
+                s.unkeyed = []
+
     def _read_new_keys(self, plan: PoolPlan) -> None:
-        """The key slots of the units cut at decode come back one step late (the plan gathered them)."""
+        """The key slots the plan gathered come back one step late."""
         if self._new_keys:
             self._ordered.append(("keys", self._new_keys, LateRead(plan.packed(self.device)[3])))
             self._new_keys = []
@@ -340,8 +356,7 @@ class SparseKVManager:
                 uid, fresh = self.store.add_or_reuse(a, b, slots[prev + la - 1])  # last token the cut depended on
             else:
                 uid, fresh = self.store.add_unkeyed(a, b), True
-                self._new_keys.append(uid)
-                plan.keys.append((row, a + la - 1))
+                state.unkeyed.append(uid)
             if fresh and self.store.summary is not None:   # quest pools its units' summaries
                 plan.add(uid, row, a, b)
             state.units.append(uid)
@@ -367,7 +382,7 @@ class SparseKVManager:
         # normally done when the prefill finished; here for requests that just passed the budget
         self._place(states, req_to_token, k_buffers)
         t.append(time.perf_counter())
-        self._graft_pooled([s for s in states if s.pool is not None], plan, k_buffers)
+        self._graft_pooled(states, plan, k_buffers)
         self._read_new_keys(plan)
         t.append(time.perf_counter())
         for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
@@ -485,8 +500,9 @@ class SparseKVManager:
         nears the window's edge, dozens of steps on (a 64-token window, chunks of at most 16): a batch launches
         grafts once in that many steps, not at every step where one of its requests cut a chunk. Every request's
         backlog goes in one launch (a request's chunks in order); their keys are pooled in one launch too, and
-        both launches' inputs travel in the plan's one upload."""
-        backlog = [(s, i) for s in states if s.pool is not None for i in (s.pooled_chunks,) if i < len(s.units)]
+        both launches' inputs travel in the plan's one upload, with the key positions of every request's units
+        cut since its last graft (so a step without a graft makes no device call here)."""
+        backlog = [(s, i) for s in states if s.pool is not None and (i := s.pooled_chunks) < len(s.units)]
         # the step after this one must still find every missing chunk inside its recent window
         if not backlog or min(s.starts[i] - s.seq_len for s, i in backlog) + self.cfg.recent_window > 0:
             return
@@ -504,6 +520,7 @@ class SparseKVManager:
                 plan.add(len(plan.spans), state.row, a, b)
                 lengths.append(b - a)
                 starts.append(a)
+        self._ask_keys(states, plan)
         if not jobs:
             return
         G, J = len(jobs), len(lengths)

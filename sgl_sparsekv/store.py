@@ -120,6 +120,11 @@ class UnitStore:
             self.slot_unit[slot] = uid
         self.unkeyed -= len(uids)
 
+    def drop_unkeyed(self, uids: list[int]) -> None:
+        """Units from :meth:`add_unkeyed` that will never be keyed: the slot's reference goes."""
+        self.unkeyed -= len(uids)
+        self.release(uids)
+
     def chain(self, slots: torch.Tensor, lookahead: int) -> list[int]:
         """Units reusable by a request whose first ``len(slots)`` tokens sit in ``slots``.
 
