@@ -44,9 +44,9 @@ def pooled_manager(layers: int, slots: int, device, rng) -> tuple[SparseKVManage
 def release_all(m: SparseKVManager, rows: list[int]) -> tuple[dict, int]:
     """Finish the requests one at a time, as the decode step that follows each finish applies it (its index
     cached, its pool rows freed): host milliseconds per release (median, max) with the GPU idle, and the
-    synchronizing CUDA calls they made (each would stall a served step behind the step in flight)."""
+    synchronizing CUDA calls they made, by source line (each would stall a served step behind the step in flight)."""
     times = []
-    with warnings.catch_warnings(record=True) as caught, sync_check("warn"):
+    with sync_check("warn"), warnings.catch_warnings(record=True) as caught:   # (setting the mode back warns)
         warnings.simplefilter("always")
         for row in rows:
             torch.cuda.synchronize()
@@ -54,7 +54,7 @@ def release_all(m: SparseKVManager, rows: list[int]) -> tuple[dict, int]:
             t0 = time.perf_counter()
             m.apply_frees(wait=False)
             times.append(1000 * (time.perf_counter() - t0))
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     return {"median": round(float(np.median(times)), 3), "max": round(max(times), 3)}, syncs
 
 
@@ -109,7 +109,8 @@ def main():
     res = {"device": torch.cuda.get_device_name(), "batch": bs, "context": n, "steps": a.steps,
            "host_ms_per_step": round(host_ms, 3), "phase_ms_per_step": phases, "grafts": m.stats["grafts"],
            "decode_host_syncs": m.stats["decode_host_syncs"], "release_ms": release_ms,
-           "release_syncs": release_syncs, "profile_top": s.getvalue().splitlines()[:45]}
+           "release_syncs": len(release_syncs),
+           "release_sync_sites": sorted(set(release_syncs)), "profile_top": s.getvalue().splitlines()[:45]}
     print(json.dumps({k: v for k, v in res.items() if k != "profile_top"}))
     print(s.getvalue()[:6000])
     with open(a.out, "w") as f:
