@@ -260,6 +260,9 @@ def main():
     ap.add_argument("--retrieval", choices=["lychee", "exact-topk"], default="lychee",
                     help="what a retrieval head selects, in calibration and evaluation: lychee's clusters or the exact "
                          "top-k over all keys (LycheeDecode's)")
+    ap.add_argument("--maps", nargs="+", default=[], metavar="MAP",
+                    help="role maps (shipped names or paths) evaluated beside the calibrated variants, e.g. one "
+                         "calibrated at another length")
     ap.add_argument("--compare-retrieval", nargs="+", metavar="MAP",
                     help="compare lychee's cluster retrieval with exact top-k retrieval heads, with every head "
                          "retrieving and under these role maps, on the held-out prompts; write --out and stop")
@@ -298,6 +301,10 @@ def main():
             variants[name] = roles
             res["roles"][name] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
                                   "map": to_strings(roles, first)}
+    for spec in a.maps:
+        variants[spec] = roles = roles_array(spec, len(layers), loss.shape[1], first)
+        res["roles"][spec] = {"retrieval_heads": int(roles[first:].sum()), "of": sparse_heads,
+                              "map": to_strings(roles, first)}
     res.update(evaluate(model, tok, cfg, table, variants, a.length, a.queries, a.retrieval))
     Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -446,7 +446,7 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
                      ("attention_recall_smollm2.json", recall_table), ("head_roles_smollm2.json", roles_table),
-                     ("head_roles_qwen.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
+                     ("head_roles_qwen.json", roles_table), ("head_roles_qwen_8k.json", roles_table), ("hardkuma_smollm2.json", hardkuma_table),
                      ("hardkuma_qwen.json", hardkuma_table),
                      ("hardkuma_eq_qwen.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),

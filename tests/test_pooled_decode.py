@@ -191,7 +191,8 @@ def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
     """Decode chunks are grafted only when some request's first missing chunk is about to leave the recent window,
     and then every request's backlog goes: over a long decode of four requests a graft comes once in dozens of
     steps (eager grafting launched at every step where a request cut a chunk), and each leaves no request lacking
-    a cut chunk. The debug check of every step (on in tests) asserts no missing chunk lies outside the window."""
+    a cut chunk. The debug check of every step (on in tests) asserts no missing chunk lies outside the window. The key
+    slots of units cut at decode are read back with the grafts only."""
     w = TwinWorld(5, {"recent_window": 64})
     w.rng = random.Random(5)
     for _ in range(4):
@@ -206,9 +207,14 @@ def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
         w.decode_batch_unchecked(list(w.live))
         states = [m.states[r.req_pool_idx] for r in w.live]
         cut_steps += any(len(s.units) > n for s, n in zip(states, units) if s.pool is not None)
+        asked = [e for e in m._ordered if e[0] == "keys"]   # key-slot reads this step started
         if m.stats["grafts"] > grafts:
             graft_steps += 1
             assert all(s.pooled_chunks == len(s.units) for s in states if s.pool is not None)
+            # the graft's one upload gathers the key slots of every unit cut since the last graft
+            assert len(asked) == 1 and not any(s.unkeyed for s in states)
+        else:
+            assert not asked   # a step without a graft reads nothing back from the device
     assert all(s.pool is not None for s in states)
     assert 1 <= graft_steps <= steps // period + 1 and cut_steps >= 3 * graft_steps, (graft_steps, cut_steps)
 
