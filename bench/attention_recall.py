@@ -326,6 +326,10 @@ VARIANTS = {
     "lychee-chunk-token-bound": {},
     "lychee-fine-1": {"fine_cluster_size": 1.0},
     "lychee-fine-1.5": {"fine_cluster_size": 1.5},
+    # fine-1 with the other rankings: how much its clusters' radii (the coarse level's) and coarse pruning still cost
+    "lychee-fine-1-centroid-rank": {"fine_cluster_size": 1.0, "radius_weight": 0.0},
+    "lychee-fine-1-upper-bound": {"fine_cluster_size": 1.0, "radius_weight": 1.0},
+    "lychee-fine-1-flat": {"fine_cluster_size": 1.0, "coarse_expand": 1e9},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-flat": {"coarse_expand": 1e9},

@@ -441,6 +441,7 @@ def main():
                      ("attention_recall_qwen_code_return_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_hedge_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_fine15_16k.json", recall_table),
+                     ("attention_recall_qwen_code_return_fine1_rankings_16k.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
