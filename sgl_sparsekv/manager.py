@@ -194,7 +194,6 @@ class SparseKVManager:
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
-        self._new_keys: list[int] = []   # units whose key positions are in this step's plan
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -295,8 +294,7 @@ class SparseKVManager:
         device: the key slots of the units cut here come back one step late."""
         self.apply_frees(wait=False)
         plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
-        self._ask_keys([self.states[idx] for idx in req_pool_indices], plan)
-        self._read_new_keys(plan)
+        self._read_keys(self._ask_keys([self.states[idx] for idx in req_pool_indices], plan), plan)
         return plan
 
     def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
@@ -312,20 +310,20 @@ class SparseKVManager:
             self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
         return plan
 
-    def _ask_keys(self, states: list[RequestState], plan: PoolPlan) -> None:
-        """Add the key positions of the states' units cut at decode to the plan (before it is packed)."""
-        la, start = self.chunker.lookahead, self.store.unit_start
+    def _ask_keys(self, states: list[RequestState], plan: PoolPlan) -> list[int]:
+        """Add the key positions of the states' units cut at decode to the plan (before it is packed); their ids."""
+        la, start, asked = self.chunker.lookahead, self.store.unit_start, []
         for s in states:
             if s.unkeyed:
                 plan.keys.extend((s.row, int(start[u]) + la - 1) for u in s.unkeyed)
-                self._new_keys.extend(s.unkeyed)
+                asked += s.unkeyed
                 s.unkeyed = []
+        return asked
 
-    def _read_new_keys(self, plan: PoolPlan) -> None:
-        """The key slots the plan gathered come back one step late."""
-        if self._new_keys:
-            self._ordered.append(("keys", self._new_keys, LateRead(plan.packed(self.device)[3])))
-            self._new_keys = []
+    def _read_keys(self, uids: list[int], plan: PoolPlan) -> None:
+        """The key slots of ``uids`` that the plan gathered come back one step late."""
+        if uids:
+            self._ordered.append(("keys", uids, LateRead(plan.packed(self.device)[3])))
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         found = self.store.chain(slots, self.chunker.lookahead)
@@ -383,7 +381,6 @@ class SparseKVManager:
         self._place(states, req_to_token, k_buffers)
         t.append(time.perf_counter())
         self._graft_pooled(states, plan, k_buffers)
-        self._read_new_keys(plan)
         t.append(time.perf_counter())
         for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
             self.stats[key] += b - a
@@ -520,16 +517,16 @@ class SparseKVManager:
                 plan.add(len(plan.spans), state.row, a, b)
                 lengths.append(b - a)
                 starts.append(a)
-        self._ask_keys(states, plan)
-        if not jobs:
-            return
-        G, J = len(jobs), len(lengths)
-        plan.payload = [v for col in zip(*jobs) for v in col] + lengths + starts
-        keys = self.chunk_keys(plan, k_buffers)
-        payload = plan.packed(self.device)[4]
-        (graft_chunks if self.use_kernels else graft_chunks_ref)(
-            self.pools, keys, payload[:6 * G].view(6, G), payload[6 * G:6 * G + J], payload[6 * G + J:])
-        self.stats["grafts"] += J
+        asked = self._ask_keys(states, plan)
+        if jobs:
+            G, J = len(jobs), len(lengths)
+            plan.payload = [v for col in zip(*jobs) for v in col] + lengths + starts
+            keys = self.chunk_keys(plan, k_buffers)
+            payload = plan.packed(self.device)[4]
+            (graft_chunks if self.use_kernels else graft_chunks_ref)(
+                self.pools, keys, payload[:6 * G].view(6, G), payload[6 * G:6 * G + J], payload[6 * G + J:])
+            self.stats["grafts"] += J
+        self._read_keys(asked, plan)   # after the payload is set: the plan packs once
 
     # ------------------------------------------------------------------ per layer
     def is_sparse_layer(self, layer_id: int) -> bool:
