@@ -150,7 +150,7 @@ class IndexPools:
 
     def acquire(self, key, load) -> PoolRanges | None:
         """The shared segment ``key``, loaded by ``load()`` (-> PoolRanges or None) if no request holds it; one
-        more reference. None if it had to be loaded and found no room."""
+        more reference. None if it had to be loaded and found no room (``load`` may be None for a held one)."""
         got = self.shared.get(key)
         if got is None:
             rng = load()
@@ -160,13 +160,14 @@ class IndexPools:
         got[1] += 1
         return got[0]
 
-    def release(self, key) -> None:
-        """One reference less; the last frees the segment's rows."""
+    def release(self, key) -> bool:
+        """One reference less; the last frees the segment's rows (True)."""
         got = self.shared[key]
         got[1] -= 1
         if got[1] == 0:
             del self.shared[key]
             self.free(got[0])
+        return got[1] == 0
 
     def check_range(self, rng: PoolRanges) -> None:
         """Debug mode (SGL_SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.

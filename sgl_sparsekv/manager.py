@@ -49,7 +49,7 @@ import torch
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index_grouped, empty_index
-from sgl_sparsekv.index_cache import IndexCache
+from sgl_sparsekv.index_cache import IndexCache, chain, common_prefix
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
@@ -194,6 +194,8 @@ class SparseKVManager:
         self._freed_slots: list[torch.Tensor] = []
         self._cleared = False
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
+        self._segment_chains: dict[int, np.ndarray] = {}   # unit chain of each shared segment in the pools, by key
+        self._segment_keys = 0
         # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
@@ -267,7 +269,7 @@ class SparseKVManager:
         cache(state.units[:state.pooled_chunks], lengths, self.pools.export(*segs, lengths=lengths))
         self.pools.free(state.pool)
         if state.shared is not None:
-            self.pools.release(state.shared[0])
+            self._release_shared(state.shared[0])
         state.pool = state.shared = None
 
     # ------------------------------------------------------------------ per batch (forward thread)
@@ -442,13 +444,20 @@ class SparseKVManager:
         shared, seg = 0, None
         starts = to_device(torch.from_numpy(np.asarray(state.starts, dtype=np.int32)), self.device)
         lengths = self._lengths(state)
-        found = self.index_cache.find(state.units)
-        if found is not None:
+        units = chain(state.units)
+        if (live := self._live_segment(units)) is not None:
+            key, n = live
+            seg = self.pools.acquire(key, None)
+        elif (found := self.index_cache.find(units)) is not None:
             eid, n = found
-            seg = self.pools.acquire(eid, lambda: self.pools.load(self.index_cache.adopt(eid, n), starts[:n],
+            key, self._segment_keys = self._segment_keys, self._segment_keys + 1
+            seg = self.pools.acquire(key, lambda: self.pools.load(self.index_cache.adopt(eid, n), starts[:n],
                                                                   lengths[:n], room=0))
             if seg is None:
                 return self._unplaced(state)
+            self._segment_chains[key] = units[:n]
+            self.store.retain(units[:n])   # as a cached index does: no id of the chain is recycled while it lives
+        if seg is not None:
             # the segment's chunks past the ones this request shares are not scanned for it (their tokens still
             # count in their clusters' sizes, a few chunks at the end of the prefix); the chunks past go to its own
             shared = min(n, seg.M)
@@ -464,7 +473,7 @@ class SparseKVManager:
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
             c = self.cfg
             ix = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
-            if found is None:
+            if seg is None:
                 self.stats["index_builds"] += 1
                 self.index_cache.add(state.units, lengths, ix)
             else:
@@ -476,10 +485,23 @@ class SparseKVManager:
         state.pool = self.pools.load(ix, starts[shared:], lengths[shared:], room=max(64, n // 4))
         if state.pool is None:
             if seg is not None:
-                self.pools.release(eid)
+                self._release_shared(key)
             return self._unplaced(state)
-        state.shared = (eid, seg) if seg is not None else None
+        state.shared = (key, seg) if seg is not None else None
         state.unplaced_gen = None
+
+    def _live_segment(self, units: np.ndarray) -> tuple[int, int] | None:
+        """(key, chunks shared) of the shared segment in the pools sharing the longest prefix with a unit chain, if
+        that covers as much of it as a cached index must. Preferred to loading a cached entry: requests over one
+        prefix then read one copy of its index, whichever request's cached entry each would have found (every
+        finished request caches an entry of its own over the prefix)."""
+        best = max(((key, common_prefix(c, units)) for key, c in self._segment_chains.items()),
+                   key=lambda kn: kn[1], default=None)
+        return best if best is not None and best[1] and best[1] >= self.index_cache.min_shared * len(units) else None
+
+    def _release_shared(self, key: int) -> None:
+        if self.pools.release(key):
+            self.store.release(self._segment_chains.pop(key))
 
     def _unplaced(self, state: RequestState) -> None:
         """No room in the pools: the request decodes densely until a free makes room (never on less context)."""
@@ -581,7 +603,7 @@ class SparseKVManager:
         out["kv_heads"] = [self.kv_shard.start, self.kv_shard.start + self.kv_shard.count]
         # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
         held = (self.store.keyed_units + self.store.unkeyed + sum(len(e.units) for e in self.index_cache.entries.values())
-                + sum(len(s.units) for s in self.states.values()))
+                + sum(len(s.units) for s in self.states.values()) + sum(map(len, self._segment_chains.values())))
         out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
         if self.pools is not None:
             out["index_pools"] = self.pools.fill()

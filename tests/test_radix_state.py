@@ -113,10 +113,11 @@ class World:
                 mask = self.manager.select(l, row, torch.randn(H, 2, D))
                 assert mask.shape == (H, S) and bool(mask[:, -1].all())
 
-    def start(self):
-        doc = self.rng.choice(self.docs)
-        cut = self.rng.randrange(len(doc) // 2, len(doc) + 1)
-        tokens = doc[:cut] + [self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(0, 60))]
+    def start(self, tokens=None):
+        if tokens is None:
+            doc = self.rng.choice(self.docs)
+            cut = self.rng.randrange(len(doc) // 2, len(doc) + 1)
+            tokens = doc[:cut] + [self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(0, 60))]
         m = self.radix.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
         prefix = min(len(m.device_indices), len(tokens) - 1)
         req = SimpleNamespace(req_pool_idx=None, inflight_middle_chunks=0, kv_committed_len=0, tokens=tokens,
@@ -274,6 +275,41 @@ def test_random_radix_history_equals_rebuild(method, seed):
         w.finish(req, abort=False)
     w.check_against_rebuild()
     assert w.manager.store.stats["units_reused"] > 0
+
+
+def test_a_later_sharer_reads_the_live_copy_of_the_prefix_index():
+    """Each finished request caches an entry of its own over the prefix it shared; a request that arrives later
+    adopts the copy of the prefix's index that live requests read, not one more copy loaded from another entry
+    (at 32 requests over two prefixes, one copy per finished request filled the pools)."""
+    w = World("lychee", 99)
+    doc = [w.rng.randrange(VOCAB) for _ in range(240)]
+
+    def start(question_len):
+        w.start(doc + [w.rng.randrange(VOCAB) for _ in range(question_len)])
+        return w.live[-1]
+
+    m = w.manager
+    m.index_cache.max_entries = 1   # so the entry b adopted goes when d finishes
+    w.finish(start(0), abort=False)   # the document is now cached
+    b = start(20)
+    sb = m.states[b.req_pool_idx]
+    w.finish(start(30), abort=False)
+    m.apply_frees()
+    assert sb.shared is not None and m.stats["index_builds"] == 1 and len(m.index_cache.entries) == 1
+    c = start(10)
+    sc = m.states[c.req_pool_idx]
+    assert sc.shared is not None and sc.shared[0] == sb.shared[0]
+    assert m.pools.shared_fill() == {"segments": 1, "references": 2}
+    for _ in range(40):
+        w.forward_decode(b)
+        w.forward_decode(c)
+    w.check_live_requests()
+    assert m.snapshot_stats()["unit_refs_unaccounted"] == 0
+    for req in list(w.live):
+        w.finish(req, abort=False)
+    m.apply_frees()
+    assert m.pools.shared_fill() == {"segments": 0, "references": 0} and not m._segment_chains
+    w.check_against_rebuild()
 
 
 def test_concurrent_sharers_keep_their_own_decode_chunks():
