@@ -325,6 +325,7 @@ VARIANTS = {
     "lychee-cluster-token-bound": {},
     "lychee-chunk-token-bound": {},
     "lychee-fine-1": {"fine_cluster_size": 1.0},
+    "lychee-fine-2": {"fine_cluster_size": 2.0},   # the default up to 560e8bf (results of then name it lychee)
     "lychee-fine-1.5": {"fine_cluster_size": 1.5},
     # fine-1 with the other rankings: how much its clusters' radii (the coarse level's) and coarse pruning still cost
     "lychee-fine-1-centroid-rank": {"fine_cluster_size": 1.0, "radius_weight": 0.0},

@@ -7,8 +7,9 @@
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
-0.25 by default), lychee with one chunk per fine cluster (``fine_cluster_size`` 1), and hybrid heads (config
-``head_roles``) with the model's shipped calibrated, HardKuma-learned or layer-sharing role map, or staggered roles.
+0.25 by default), lychee with two chunks per fine cluster (``fine_cluster_size`` 2, the default up to 560e8bf),
+and hybrid heads (config ``head_roles``) with the model's shipped calibrated, HardKuma-learned or layer-sharing
+role map, or staggered roles.
 Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
 cell records its sample count and a 95% Wilson interval. On the GPU the server runs with CUDA graphs on
 (``--attention-backend``, Triton by default) and ``--concurrency`` samples in flight, so SGLang batches them.
@@ -33,7 +34,7 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-upper-bound": ("lychee", {"radius_weight": 1.0}),
            "lychee-radius-0.5": ("lychee", {"radius_weight": 0.5}),
            "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
-           "lychee-fine-1": ("lychee", {"fine_cluster_size": 1.0}),
+           "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
            # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
            **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},

@@ -13,7 +13,7 @@ instance:
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
-Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-1, one chunk per fine cluster)
+Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-2, two chunks per fine cluster)
 over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One
 method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a method's
 measurements) to the result of an earlier call on the same machine.
@@ -39,9 +39,10 @@ KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "med
 WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
-# lychee-fine-1: one chunk per fine cluster (#11's most faithful selection, twice the fine clusters to rank)
+# lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
+# rank and store); results of that time name it lychee, and one chunk per fine cluster lychee-fine-1
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
-            "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-1": {"fine_cluster_size": 1.0}}
+            "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0}}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "scratch_full_steps", "decode_prepare_s", "index_build_s", "index_release_s",
           "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")

@@ -15,8 +15,9 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def test_defaults_follow_the_paper():
     c = SparseKVConfig.from_method("lychee")
+    # one chunk per fine cluster: the paper's most faithful granularity (its Appendix E), not its default of 2
     assert (c.token_budget, c.chunk_min, c.chunk_max, c.fine_cluster_size, c.max_coarse, c.kmeans_iters,
-            c.sink_tokens, c.dense_layers) == (1024, 8, 16, 2.0, 64, 10, 16, 2)
+            c.sink_tokens, c.dense_layers) == (1024, 8, 16, 1.0, 64, 10, 16, 2)
     assert SparseKVConfig.from_method("quest").page_size == 16
 
 

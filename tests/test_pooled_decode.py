@@ -466,9 +466,9 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed"})
     lens = [20_000, 24_000]
     slots = sum(lens) + 4096
-    # room for the first request's index (fixed 16-token chunks: 1250 chunks, 625 fine clusters), not both
+    # room for either request's index (fixed 16-token chunks: 1250 and 1500 chunks, as many fine clusters), not both
     monkeypatch.setattr("sgl_sparsekv.manager.pool_capacity",
-                        lambda c, n: PoolCapacity(coarse=200, fine=800, chunks=1900))
+                        lambda c, n: PoolCapacity(coarse=200, fine=1600, chunks=1900))
     gen = torch.Generator(device=dev).manual_seed(1)
     k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
