@@ -130,6 +130,24 @@ def serving_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def variants_serving_table(path: Path) -> str:
+    """Lychee variants through the real server from one card, without a dense run (bench/gpu_serving.py)."""
+    r = json.loads(path.read_text())
+    rows = []
+    for name in r["settings"]["methods"]:
+        for key, label in WORKLOADS:
+            if key in r[name]:
+                w, p = r[name][key], r[name][key]["plugin"]
+                rows.append((name, label, f"{w['output_throughput']:.0f}", f"{w['median_itl_ms']:.1f}",
+                             f"{w['mean_ttft_ms'] / 1000:.2f}", w["host_ms_per_decode_step"], p["index_pool_full"],
+                             p["dense_fallback_steps"], w["errors"]))
+    return md_table(f"Lychee variants in serving, {r['device']}, {r['model']}, {r['settings']['backend']}, CUDA graphs "
+                    f"on, budget {r['settings']['budget']}, commit {r['commit']}: {r['note']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["method", "workload", "output tok/s", "median ITL ms", "mean TTFT s", "host ms per decode step",
+                     "failed placements", "dense-fallback steps", "errors"], rows)
+
+
 PARALLEL_RUNS = ("gpu_serving_h100x2_tp1.json", "gpu_serving_h100x2_tp2.json", "gpu_serving_h100x2_tp2_random.json",
                  "gpu_serving_h100x2_dp2.json")
 
@@ -453,6 +471,8 @@ def main():
                      ("hardkuma_eq_qwen.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h100_chains.json", variants_serving_table),
+                     ("gpu_serving_h100_fine1.json", variants_serving_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
                      ("gpu_serving_h200_hybrid.json", hybrid_serving_table),
                      ("gpu_serving_h100_keys.json", serving_table),
