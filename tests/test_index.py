@@ -33,14 +33,15 @@ def _check_bounds(index, keys, q, reduce="max"):
         assert bool((ub_of_chunk >= true - 1e-4).all()), f"{level} bound violated"
 
 
+@pytest.mark.parametrize("size", [1.0, 2.0])
 @pytest.mark.parametrize("kind", ["random", "clustered"])
 @pytest.mark.parametrize("H,M,d,G", [(1, 1, 64, 1), (3, 37, 64, 3), (2, 300, 128, 4), (4, 1000, 64, 7)])
-def test_bounds_after_build_and_grafts(kind, H, M, d, G):
+def test_bounds_after_build_and_grafts(kind, H, M, d, G, size):
     gen = torch.Generator().manual_seed(H * 1000 + M)
     keys = _keys(kind, H, M, d, gen)
     lens = torch.randint(8, 17, (M,), generator=gen)
-    index = build_index(keys, lens, 2.0, 64, 10)
-    L, P = cluster_counts(M, 2.0, 64)
+    index = build_index(keys, lens, size, 64, 10)
+    L, P = cluster_counts(M, size, 64)
     assert index.fine_mu.shape == (H, L, d) and index.coarse_mu.shape == (H, P, d)
     for _ in range(5):
         _check_bounds(index, keys, torch.randn(H, G, d, generator=gen) * 3)
