@@ -44,6 +44,8 @@ def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
     """
     H, N, d = x.shape
     k = max(1, min(k, N))
+    if k == N:   # every point its own cluster: the fixed point the iterations start at, without N x N similarities
+        return x.clone(), torch.arange(N, device=x.device).expand(H, N).clone()
     init = torch.linspace(0, N - 1, k, device=x.device).round().long()
     cent = x[:, init].clone()
     assign = torch.zeros(H, N, dtype=torch.long, device=x.device)

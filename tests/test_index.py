@@ -56,6 +56,30 @@ def test_bounds_after_build_and_grafts(kind, H, M, d, G, size):
         _check_bounds(index, keys, torch.randn(H, G, d, generator=gen) * 3)
 
 
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+def test_one_chunk_per_fine_cluster_is_the_kmeans_fixed_point(kind):
+    """With as many fine clusters as chunks the build skips k-means: each chunk is its own cluster, which is where
+    the iterations start (the centroids begin at every point) and stay (each unit key is nearest to itself)."""
+    from sgl_sparsekv.index import stored
+    from sgl_sparsekv.kernels.kmeans import cluster_sums_ref, nearest_centroid_ref
+
+    gen = torch.Generator().manual_seed(7)
+    H, M, d = 3, 120, 64
+    keys = _keys(kind, H, M, d, gen)
+    lens = torch.randint(8, 17, (M,), generator=gen)
+    assert torch.equal(nearest_centroid_ref(keys, keys), torch.arange(M).expand(H, M))   # the fixed point
+    sums, counts = cluster_sums_ref(keys, torch.arange(M).expand(H, M).clone(), M)
+    assert torch.equal(counts, torch.ones(H, M, dtype=counts.dtype)) and torch.allclose(F.normalize(sums, dim=-1), keys)
+    ix = build_index(keys, lens, 1.0, 64, 10)
+    # fine clusters are regrouped by coarse unit: chunk m's cluster holds exactly chunk m's key and length
+    own = ix.chunk_fine
+    assert torch.equal(torch.sort(own, dim=1).values, torch.arange(M).expand(H, M))
+    at = own[..., None].expand(-1, -1, d)
+    assert torch.equal(ix.fine_mu.gather(1, at), stored(keys))
+    assert torch.allclose(ix.fine_r.gather(1, own), (keys - stored(keys)).norm(dim=-1))   # the rounding, covered
+    assert torch.equal(ix.fine_n, torch.ones(H, M)) and torch.equal(ix.fine_tokens.gather(1, own), lens.float().expand(H, M))
+
+
 @pytest.mark.parametrize("reduce", ["max", "mean"])
 def test_full_budget_selects_everything(reduce):
     gen = torch.Generator().manual_seed(0)
