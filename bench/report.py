@@ -308,9 +308,10 @@ def build_table(path: Path) -> str:
     r = json.loads(path.read_text())
     return md_table(f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} "
                     f"k-means iterations, commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["context", "chunks", "kernels/kmeans.py (ms)", "torch twin (ms)", "speed-up",
-                     "extra GPU memory MiB, kernel / twin"],
-                    [(b["context"], b["chunks"], f"{b['kernel_ms']:.1f}", f"{b['torch_twin_ms']:.1f}",
+                    ["context", "chunks", "chunks per fine cluster", "kernels/kmeans.py (ms)", "torch twin (ms)",
+                     "speed-up", "extra GPU memory MiB, kernel / twin"],
+                    [(b["context"], b["chunks"], b.get("fine_cluster_size", 2.0), f"{b['kernel_ms']:.1f}",
+                      f"{b['torch_twin_ms']:.1f}",
                       f"{b['speedup']:.1f}x", f"{b['kernel_extra_mib']} / {b['torch_twin_extra_mib']}")
                      for b in r["builds"]])
 
