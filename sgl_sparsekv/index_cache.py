@@ -39,6 +39,17 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
+def longest_shared(chains, units: np.ndarray, min_shared: float) -> tuple[object, int] | None:
+    """(key, shared prefix length) of the (key, chain) pair sharing the longest prefix with ``units`` (the first
+    such), if that prefix covers at least ``min_shared`` of ``units``; else None."""
+    best = None
+    for key, c in chains:
+        n = common_prefix(c, units)
+        if n and (best is None or n > best[1]):
+            best = (key, n)
+    return None if best is None or best[1] < min_shared * len(units) else best
+
+
 def chain(units) -> np.ndarray:
     """A unit chain as the cache compares it (a request's thousands of ids converted once, not per entry)."""
     return np.asarray(units, dtype=np.int64)
@@ -66,14 +77,9 @@ class IndexCache:
 
     def find(self, units: list[int]) -> tuple[int, int] | None:
         """(entry id, shared prefix length) of the best entry for a chain, or None."""
-        best, units = None, chain(units)
-        for eid, entry in self.entries.items():
-            n = common_prefix(entry.units, units)
-            if n and (best is None or n > best[1]):
-                best = (eid, n)
-        if best is None or best[1] < self.min_shared * len(units):
-            return None
-        self.entries.move_to_end(best[0])
+        best = longest_shared(((eid, e.units) for eid, e in self.entries.items()), chain(units), self.min_shared)
+        if best is not None:
+            self.entries.move_to_end(best[0])
         return best
 
     def adopt(self, eid: int, shared: int) -> ClusterIndex:

@@ -49,7 +49,7 @@ import torch
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index_grouped, empty_index
-from sgl_sparsekv.index_cache import IndexCache, chain, common_prefix
+from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
@@ -495,9 +495,7 @@ class SparseKVManager:
         that covers as much of it as a cached index must. Preferred to loading a cached entry: requests over one
         prefix then read one copy of its index, whichever request's cached entry each would have found (every
         finished request caches an entry of its own over the prefix)."""
-        best = max(((key, common_prefix(c, units)) for key, c in self._segment_chains.items()),
-                   key=lambda kn: kn[1], default=None)
-        return best if best is not None and best[1] and best[1] >= self.index_cache.min_shared * len(units) else None
+        return longest_shared(self._segment_chains.items(), units, self.index_cache.min_shared)
 
     def _release_shared(self, key: int) -> None:
         if self.pools.release(key):
