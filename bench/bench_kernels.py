@@ -98,9 +98,10 @@ def selection_cost(bs, ctx, budget):
     return bench(run), L, P
 
 
-def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False) -> dict:
+def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = 2.0) -> dict:
     """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
-    random unit keys (8-16-token chunks), queries, budgets, lengths, request rows, and a key buffer. ``shared``:
+    random unit keys (8-16-token chunks, ``fine_cluster_size`` per fine cluster on average), queries, budgets,
+    lengths, request rows, and a key buffer. ``shared``:
     every request adopted one prefix of ``ctx - 256`` tokens (one shared segment) and owns an index of its last 256
     tokens; else each owns an index of all its tokens."""
     own_tokens = 256 if shared else ctx
@@ -110,7 +111,7 @@ def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False) ->
         M = n_tokens // 12
         keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
         ln = torch.randint(8, 17, (M,), device="cuda")
-        indexes.append(build_index(keys, ln, 2.0, 64, 3))
+        indexes.append(build_index(keys, ln, fine_cluster_size, 64, 3))
         starts.append(torch.cumsum(ln, 0) - ln + first)
         lens.append(ln)
 

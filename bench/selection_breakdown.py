@@ -2,7 +2,7 @@
 and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
-        [--shared]
+        [--shared] [--sizes 1 2]
 
 ``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
 selection and emission run for those only, the attention for all 8.
@@ -21,8 +21,8 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
-              retrieving: int = H, shared: bool = False) -> dict:
-    c = selection_case(bs, ctx, budget, sink, recent, shared)
+              retrieving: int = H, shared: bool = False, fine_cluster_size: float = 2.0) -> dict:
+    c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size)
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     lstarts, ws = c["list_starts"], c["workspace"]
@@ -65,7 +65,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
-    return {"ctx": ctx, "bs": bs, "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
+    return {"ctx": ctx, "bs": bs, "fine_cluster_size": fine_cluster_size, "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
                (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
@@ -80,11 +80,12 @@ def main():
     ap.add_argument("--retrieving", type=int, nargs="+", default=[H], help="retrieval KV heads per layer (of 8)")
     ap.add_argument("--shared", action="store_true",
                     help="also the batch over one shared prefix (one shared segment, 256 tokens of each request's own)")
+    ap.add_argument("--sizes", type=float, nargs="+", default=[2.0], help="fine_cluster_size values")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r, sh in ((c, b, r, sh) for c in a.contexts for b in a.batches for r in a.retrieving
-                           for sh in ((False, True) if a.shared else (False,))):
-        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh))
+    for ctx, bs, r, sh, size in ((c, b, r, sh, z) for c in a.contexts for b in a.batches for r in a.retrieving
+                                 for sh in ((False, True) if a.shared else (False,)) for z in a.sizes):
+        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 NEG = tl.constexpr(float("-inf"))
-CUT_BLOCK = 8192   # a (request, KV head) with at most this many fine clusters (~190K tokens) is cut in registers
+# a (request, KV head) with at most this many fine clusters (~98K tokens at one chunk per cluster) is cut in registers
+CUT_BLOCK = 8192
 # rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
 # and 16, 32 programs per list) took 39 -> 33 us (bounds) and 26 -> 17 us (emission) per layer at batch 16
 FINE_BLOCK, EMIT_BLOCK = 16, 128
@@ -202,7 +203,7 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
-    program takes the smallest register tile its request fits (BLOCK // 4 or BLOCK), else passes over memory.
+    program takes the smallest register tile its request fits (BLOCK // 4, // 2 or BLOCK), else passes over memory.
     Bounds and picks are the request's scratch rows (``Bnd``, ``Sel`` [H, S])."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
@@ -214,6 +215,8 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     one = tl.arange(0, BLOCK)
     if L <= BLOCK // 4:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 4)
+    elif L <= BLOCK // 2:
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 2)
     elif L <= BLOCK:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK)
     else:

@@ -51,11 +51,12 @@ def test_select_fine_matches_reference(G, D):
             assert torch.equal(got, ref), (b, expand, rw)
 
 
-@pytest.mark.parametrize("cut_block", [16, 4096])
+@pytest.mark.parametrize("cut_block", [16, 64, 4096])
 def test_select_fine_ties_and_the_memory_pass(cut_block):
     """Chunks repeating five keys exactly: whole groups of fine clusters tie on their bound, and the cut must
-    take them in index order like the stable sort. ``cut_block`` 16 sends every request through the pass
-    over memory that requests with more than 4096 fine clusters take."""
+    take them in index order like the stable sort. The requests have 30, 100 and 5 fine clusters: ``cut_block``
+    16 sends every request through the pass over memory that requests with more fine clusters than the block
+    take, 64 cuts them in the tiles of 32 and 16 and in the pass over memory, 4096 in the tile of 1024."""
     gen = torch.Generator().manual_seed(3)
     bs, H, G, D = 3, 2, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.0)
