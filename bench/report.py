@@ -284,13 +284,14 @@ def hybrid_breakdown_table(path: Path) -> str:
     for run in r["runs"]:
         for x in run["rows"]:
             sel = x["coarse_ms"] + x["fine_bounds_ms"] + x["cut_ms"] + x["emit_ms"]
-            rows.append((run["device"].replace("NVIDIA ", ""), x["bs"],
+            rows.append((run["device"].replace("NVIDIA ", "") + (f", {run['label']}" if run.get("label") else ""),
+                         x["bs"], x.get("fine_cluster_size", 2.0),
                          f"{x['retrieving_heads']} of 8" + (", shared prefix" if x.get("shared_prefix") else ""),
                          *(f"{x[k]:.4f}" for k in ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")),
                          f"{sel:.3f}", f"{x['attend_ms']:.3f}"))
     return md_table(f"A sparse layer's GPU time, part by part: {r['what']}; commit {r['commit']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["card", "batch", "retrieving heads", "coarse", "fine bounds", "cut", "emit",
+                    ["card", "batch", "chunks per fine cluster", "retrieving heads", "coarse", "fine bounds", "cut", "emit",
                      "selection + lists", "attention"], rows)
 
 
@@ -472,6 +473,9 @@ def main():
                      ("hardkuma_eq_qwen.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h100_default.json", serving_table),
+                     ("selection_breakdown_fine1.json", hybrid_breakdown_table),
+                     ("index_build_h100_fine1.json", build_table),
                      ("gpu_serving_h100_chains.json", variants_serving_table),
                      ("gpu_serving_h100_fine1.json", variants_serving_table),
                      ("gpu_serving_h200_fine1.json", hybrid_serving_table),
