@@ -333,6 +333,7 @@ VARIANTS = {
     "lychee-fine-1-flat": {"fine_cluster_size": 1.0, "coarse_expand": 1e9},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
     "lychee-expand-4": {"coarse_expand": 4.0},
+    "lychee-expand-8": {"coarse_expand": 8.0},
     "lychee-flat": {"coarse_expand": 1e9},
     "lychee-fixed-chunks": {"chunking": "fixed"},
     "lychee-previous-query": {},

@@ -285,14 +285,24 @@ def hybrid_breakdown_table(path: Path) -> str:
         for x in run["rows"]:
             sel = x["coarse_ms"] + x["fine_bounds_ms"] + x["cut_ms"] + x["emit_ms"]
             rows.append((run["device"].replace("NVIDIA ", "") + (f", {run['label']}" if run.get("label") else ""),
-                         x["bs"], x.get("fine_cluster_size", 2.0),
+                         x["bs"], x.get("fine_cluster_size", 2.0), x.get("coarse_expand", 16.0), x["live_fine_per_head"],
                          f"{x['retrieving_heads']} of 8" + (", shared prefix" if x.get("shared_prefix") else ""),
                          *(f"{x[k]:.4f}" for k in ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")),
                          f"{sel:.3f}", f"{x['attend_ms']:.3f}"))
     return md_table(f"A sparse layer's GPU time, part by part: {r['what']}; commit {r['commit']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["card", "batch", "chunks per fine cluster", "retrieving heads", "coarse", "fine bounds", "cut", "emit",
+                    ["card", "batch", "chunks per fine cluster", "coarse expand", "live fine clusters per head",
+                     "retrieving heads", "coarse", "fine bounds", "cut", "emit",
                      "selection + lists", "attention"], rows)
+
+
+def bounds_kernel_table(path: Path) -> str:
+    """The fine-bounds kernel against an experimental variant, per launch setting, best first."""
+    r = json.loads(path.read_text())["fine_bounds_fma_vs_dot"]
+    rows = sorted(r["rows"], key=lambda x: x["ms"])
+    return md_table(f"Fine bounds per launch setting, {r['device']}: {r['what']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["kernel", "rows per tile", "programs per list", "warps", "ms"],
+                    [(x["kernel"], x["BLOCK_L"], x["parts"], x["warps"], f"{x['ms']:.4f}") for x in rows[:8]])
 
 
 def lifecycle_table(path: Path) -> str:
@@ -475,6 +485,10 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h100_default.json", serving_table),
                      ("selection_breakdown_fine1.json", hybrid_breakdown_table),
+                     ("selection_breakdown_expand.json", hybrid_breakdown_table),
+                     ("selection_breakdown_expand.json", bounds_kernel_table),
+                     ("attention_recall_qwen_expand_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_mv30k_expand.json", recall_table),
                      ("index_build_h100_fine1.json", build_table),
                      ("gpu_serving_h100_chains.json", variants_serving_table),
                      ("gpu_serving_h100_fine1.json", variants_serving_table),

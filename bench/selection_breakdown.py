@@ -2,10 +2,13 @@
 and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
-        [--shared] [--sizes 1 2]
+        [--shared] [--sizes 1 2] [--expands 16 8]
 
 ``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
-selection and emission run for those only, the attention for all 8.
+selection and emission run for those only, the attention for all 8. ``--sizes``: chunks per fine cluster (config
+``fine_cluster_size``; 1 is the default, 2 the default up to fa847f7). ``--expands``: config ``coarse_expand``
+(coarse units are expanded until they hold this many times the budget; the fine bounds are computed for their
+clusters only).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
-              retrieving: int = H, shared: bool = False, fine_cluster_size: float = 2.0) -> dict:
+              retrieving: int = H, shared: bool = False, fine_cluster_size: float = 2.0, expand: float = 16.0) -> dict:
     c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size)
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
@@ -38,7 +41,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
 
     def coarse_pick():
-        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, 16.0, 0.25,
+        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, expand, 0.25,
                                             q.stride(0), q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D,
                                             BLOCK_P=BLOCK_P)
 
@@ -59,13 +62,14 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
         return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
 
     # the layer before, where every head retrieved: the lists that sparse heads keep
-    ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, 16.0, parts=parts, out=c["scratch"]), chunks,
+    ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, expand, parts=parts, out=c["scratch"]), chunks,
                    ranges, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget, parts=parts, out=out)
     coarse_pick(); fine_bounds(); cut(); emit(); attend()
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
-    return {"ctx": ctx, "bs": bs, "fine_cluster_size": fine_cluster_size, "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
+    return {"ctx": ctx, "bs": bs, "fine_cluster_size": fine_cluster_size, "coarse_expand": expand,
+            "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
                (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
@@ -81,11 +85,13 @@ def main():
     ap.add_argument("--shared", action="store_true",
                     help="also the batch over one shared prefix (one shared segment, 256 tokens of each request's own)")
     ap.add_argument("--sizes", type=float, nargs="+", default=[2.0], help="fine_cluster_size values")
+    ap.add_argument("--expands", type=float, nargs="+", default=[16.0], help="coarse_expand values")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r, sh, size in ((c, b, r, sh, z) for c in a.contexts for b in a.batches for r in a.retrieving
-                                 for sh in ((False, True) if a.shared else (False,)) for z in a.sizes):
-        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size))
+    for ctx, bs, r, sh, size, ex in ((c, b, r, sh, z, e) for c in a.contexts for b in a.batches for r in a.retrieving
+                                     for sh in ((False, True) if a.shared else (False,)) for z in a.sizes
+                                     for e in a.expands):
+        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size, expand=ex))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

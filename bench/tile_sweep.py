@@ -1,10 +1,11 @@
 """Launch parameters of the selection kernels, swept on the GPU: the tiles ``kernels/select.py`` uses were chosen here.
 
-    python3 -m bench.tile_sweep --out $OUT/tiles.json
+    python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1]
 
 For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
 per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1,
-all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``).
+all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
+``--size`` chunks per fine cluster: 1, the default, or 2, the default when the tiles were chosen).
 The tiles only split the same work among programs: every setting computes the same bounds, selection and lists.
 """
 
@@ -22,8 +23,8 @@ from sgl_sparsekv.kernels import select as ks
 BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
 
 
-def sweep(bs: int, ctx: int) -> list[dict]:
-    c = selection_case(bs, ctx, BUDGET, SINK, RECENT)
+def sweep(bs: int, ctx: int, size: float) -> list[dict]:
+    c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
     (cmu, cr, ctok), (fmu, fr, ftok, fpar) = c["coarse"], c["fine"]
     cfine, cstart, clen = c["chunks"]
     ranges = c["ranges"]
@@ -87,10 +88,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--size", type=float, default=1.0, help="fine_cluster_size")
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(), "rows": []}
+    res = {"device": torch.cuda.get_device_name(), "fine_cluster_size": a.size, "rows": []}
     for bs in (16, 1):
-        res["rows"] += sweep(bs, a.context)
+        res["rows"] += sweep(bs, a.context, a.size)
         with open(a.out, "w") as f:
             json.dump(res, f)
     for kernel, keys in (("fine_bounds", ("BLOCK_L", "parts", "warps")), ("cut", ("BLOCK", "warps")),
