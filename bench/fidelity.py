@@ -35,6 +35,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-radius-0.5": ("lychee", {"radius_weight": 0.5}),
            "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
            "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
+           # half the coarse expansion: fine bounds for about half the clusters at 32K (selection_breakdown_expand)
+           "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
            # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
            **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},
