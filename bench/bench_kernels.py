@@ -24,6 +24,7 @@ import time
 import torch
 import triton
 
+from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
@@ -31,6 +32,7 @@ from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, over_shared, 
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
+FINE = SparseKVConfig().fine_cluster_size   # chunks per fine cluster of the default config (kernels_h200.json: 2)
 HIDDEN, FFN = 4096, 14336
 
 
@@ -98,7 +100,7 @@ def selection_cost(bs, ctx, budget):
     return bench(run), L, P
 
 
-def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = 2.0) -> dict:
+def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = FINE) -> dict:
     """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
     random unit keys (8-16-token chunks, ``fine_cluster_size`` per fine cluster on average), queries, budgets,
     lengths, request rows, and a key buffer. ``shared``:
@@ -188,7 +190,7 @@ def index_build_ms(ctx):
 
     def run():
         keys = pool_units(k, slots, indptr, False)                  # [U, H, D]
-        build_index(keys.transpose(0, 1), lens, 2.0, 64, 10)
+        build_index(keys.transpose(0, 1), lens, FINE, 64, 10)
 
     return bench(run)
 

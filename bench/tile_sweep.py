@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from bench.bench_kernels import D, H, HQ, graph_bench, selection_case
+from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
 
 BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
@@ -88,7 +88,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--size", type=float, default=1.0, help="fine_cluster_size")
+    ap.add_argument("--size", type=float, default=FINE, help="fine_cluster_size")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "fine_cluster_size": a.size, "rows": []}
     for bs in (16, 1):
