@@ -13,10 +13,15 @@ inherits; a head passes its own set on when its sampled z > 0.5). The model is f
     min_{alpha, beta} max_{lambda >= 0}  L_distill + lambda * (E[||z||_0] - N_target) / heads
 
 with L_distill the mean squared distance between the student's and the dense model's logits at those positions and
-E[||z||_0] = sum_h P(z_h > 0) in closed form; lambda rises by gradient ascent. ``--constraint equal`` makes it an
-equality, E[||z||_0] = N_target, by an augmented Lagrangian: lambda of either sign plus ``rho / 2 * gap^2``. A gate
-driven shut passes the distillation no gradient, so under the paper's inequality, once the multiplier has overshot,
-the gates settle below the target (a multiplier of either sign alone swung E[||z||_0] to 3 for a target of 11).
+E[||z||_0] = sum_h P(z_h > 0) in closed form; lambda rises by gradient ascent. With ``--rho 0`` that is the paper's
+plain Lagrangian, under which the multiplier overshoots before the distillation has separated the heads and the
+gates settle below the target. ``--rho`` > 0 (the default) damps it into an augmented Lagrangian: the constraint's
+term becomes ``(max(0, lambda + rho * gap)^2 - lambda^2) / (2 * rho)``, so its pull vanishes as soon as E[||z||_0]
+falls below the target by lambda / rho, whatever lambda has grown to. ``--constraint equal`` makes it an equality,
+E[||z||_0] = N_target: lambda of either sign plus ``rho / 2 * gap^2`` (a multiplier of either sign alone swung
+E[||z||_0] to 3 for a target of 11). The gates' parameters stay within ``GATE_LOG_RANGE``, where a shut gate still
+opens in about 2% of the samples: a gate that never opens passes the distillation no gradient and could never
+come back once the constraint's pull has gone.
 A head retrieves iff E[z] > 0.5 (Monte Carlo). The prompt before the decode positions is prefilled densely once (its
 KV cached), so a step runs only the decode positions with gradients. The learned map is evaluated like the calibrated
 ones (``bench/head_roles.py``: chained attention-mass recall on held-out prompts) and written as a role map for
@@ -34,14 +39,15 @@ import numpy as np
 import torch
 
 from bench.attention_recall import capture, load, own_masks
-from bench.head_roles import evaluate, roles_array
+from bench.head_roles import EVALUATE, evaluate, roles_array
 from bench.tasks import make
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 
 STRETCH = (-0.1, 1.1)
-CALIBRATE = (("niah_multikey", 100), ("variable_tracking", 100), ("json_value", 100))
+GATE_LOG_RANGE = 1.5   # |log alpha|, |log beta| <= 1.5: P(z > 0) stays in [0.022, 1], E[z] in [0.002, 0.96]
+CALIBRATE = ("niah_multikey:100", "variable_tracking:100", "json_value:100")
 
 
 def hardkuma_sample(log_a: torch.Tensor, log_b: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
@@ -119,10 +125,20 @@ class HybridAttention:
         return out.permute(2, 0, 1, 3).reshape(1, nq, Hq, d), None
 
 
+def constraint_term(gap: torch.Tensor, lam: float, rho: float, equal: bool) -> torch.Tensor:
+    """The constraint's share of the loss for multiplier ``lam``: E[L0] = target (``equal``) or E[L0] <= target, the
+    latter as the paper's ``lam * gap`` at ``rho`` 0 and as the augmented Lagrangian's damped term above 0."""
+    if equal:
+        return lam * gap + rho / 2 * gap ** 2
+    if rho == 0:
+        return lam * gap
+    return (torch.relu(lam + rho * gap) ** 2 - lam ** 2) / (2 * rho)
+
+
 def train(model, prompts, first: int, heads: int, layers: int, target: int, steps: int, lr: float, lr_lambda: float,
           seed: int, equal: bool = False, rho: float = 20.0) -> dict:
-    """``equal``: E[L0] = target by an augmented Lagrangian (lambda of either sign, penalty ``rho / 2 * gap^2``)
-    instead of E[L0] <= target (lambda >= 0)."""
+    """``equal``: E[L0] = target (lambda of either sign) instead of E[L0] <= target (lambda >= 0); ``rho``: the
+    augmented Lagrangian's penalty (see ``constraint_term``)."""
     torch.manual_seed(seed)
     sparse = layers - first - 1                   # the first sparse layer always retrieves
     log_a = torch.zeros(sparse, heads, requires_grad=True)
@@ -150,13 +166,13 @@ def train(model, prompts, first: int, heads: int, layers: int, target: int, step
             distill = distill + ((logits - p.teacher) ** 2).mean() / len(prompts)
         l0 = prob_nonzero(log_a, log_b).sum() + heads
         gap = (l0 - target) / (sparse + 1) / heads
-        loss = distill + lam * gap + (rho / 2 * gap ** 2 if equal else 0.0)
+        loss = distill + constraint_term(gap, lam, rho, equal)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        with torch.no_grad():   # a gate driven to always 0 (or 1) passes no gradient and could never come back
-            log_a.clamp_(-3, 3)
-            log_b.clamp_(-3, 3)
+        with torch.no_grad():
+            log_a.clamp_(-GATE_LOG_RANGE, GATE_LOG_RANGE)
+            log_b.clamp_(-GATE_LOG_RANGE, GATE_LOG_RANGE)
         lam = lam + lr_lambda * gap.item()
         lam = lam if equal else max(0.0, lam)
         if step % 10 == 0 or step == steps - 1:
@@ -168,7 +184,17 @@ def train(model, prompts, first: int, heads: int, layers: int, target: int, step
     roles = np.zeros((layers, heads), dtype=bool)
     roles[first] = True
     roles[first + 1:] = (ez > 0.5).numpy()
-    return {"roles": roles, "expected_z": ez, "log": log}
+    return {"roles": roles, "top": top_roles(ez, first, heads, target), "expected_z": ez, "log": log}
+
+
+def top_roles(ez: torch.Tensor, first: int, heads: int, target: int) -> np.ndarray:
+    """The target's number of retrieval heads, by learned E[z] (the first sparse layer's heads always retrieve): the
+    learned ranking at the count a calibrated map has, where E[z] > 0.5 gives whatever count the training ended at."""
+    roles = np.zeros((first + 1 + ez.shape[0], heads), dtype=bool)
+    roles[first] = True
+    pick = torch.argsort(ez.flatten(), descending=True, stable=True)[:max(0, target - heads)].numpy()
+    roles[first + 1:].reshape(-1)[pick] = True
+    return roles
 
 
 def main():
@@ -185,6 +211,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--constraint", choices=["at-most", "equal"], default="at-most",
                     help="E[L0] <= target (the paper's, lambda >= 0) or E[L0] = target (lambda of either sign)")
+    ap.add_argument("--rho", type=float, default=20.0,
+                    help="augmented Lagrangian penalty; 0 with at-most is the paper's plain Lagrangian")
+    ap.add_argument("--calibrate", nargs="+", default=list(CALIBRATE), metavar="TASK:SEED",
+                    help="calibration prompts (keep them apart from bench.head_roles' held-out EVALUATE prompts)")
     ap.add_argument("--compare", default=None, help="a role map (name or path) to evaluate beside the learned one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--map", default=None, help="write the learned roles here as a role map")
@@ -199,22 +229,25 @@ def main():
     sparse_heads = (layers - first) * heads
     target = max(heads, round(a.share * sparse_heads))
     t0 = time.time()
+    calibrate = [(t, int(s)) for t, s in (c.split(":") for c in a.calibrate)]
+    if set(calibrate) & set(EVALUATE):
+        raise SystemExit(f"calibration prompts {sorted(set(calibrate) & set(EVALUATE))} are held out for evaluation")
     prompts = [Prompt(model, cfg, np.asarray(tok(make(t, tok, a.length, s).prompt).input_ids), a.queries, table)
-               for t, s in CALIBRATE]
+               for t, s in calibrate]
     prep_s = time.time() - t0
     equal = a.constraint == "equal"
-    got = train(model, prompts, first, heads, layers, target, a.steps, a.lr, a.lr_lambda, a.seed, equal)
+    got = train(model, prompts, first, heads, layers, target, a.steps, a.lr, a.lr_lambda, a.seed, equal, a.rho)
     roles = got["roles"]
     name = f"hardkuma-{'eq-' if equal else ''}{a.share:g}"
-    variants = {name: roles}
+    variants = {name: roles, f"hardkuma-top-{a.share:g}": got["top"]}
     if a.compare:
         variants[a.compare] = roles_array(a.compare, layers, heads, first)
     res = {"model": a.model_dir, "budget": a.budget, "length": a.length, "share": a.share, "target_heads": target,
            "of": sparse_heads, "retrieval_heads": int(roles[first:].sum()),
            "training": {"calibration": [{"task": t, "seed": s, "tokens": p.n, "decode_positions": a.queries}
-                                        for (t, s), p in zip(CALIBRATE, prompts)],
+                                        for (t, s), p in zip(calibrate, prompts)],
                         "steps": a.steps, "lr": a.lr, "lr_lambda": a.lr_lambda, "seed": a.seed, "stretch": STRETCH,
-                        "constraint": a.constraint,
+                        "constraint": a.constraint, "rho": a.rho, "gate_log_range": GATE_LOG_RANGE,
                         "prepare_s": round(prep_s, 1), "device": "CPU", "log": got["log"]},
            "expected_z": np.round(got["expected_z"].numpy(), 3).tolist(),
            "roles": {v: {"retrieval_heads": int(r[first:].sum()), "of": sparse_heads,
@@ -224,10 +257,11 @@ def main():
     if a.map:
         made_by = (f"`python -m bench.hardkuma_roles --model-dir {a.model_dir} --share {a.share:g} --steps {a.steps} "
                    f"--lr {a.lr:g} --lr-lambda {a.lr_lambda:g} --length {a.length} --budget {a.budget} --constraint "
-                   f"{a.constraint}` ({a.out}): "
+                   f"{a.constraint} --rho {a.rho:g} --queries {a.queries} --calibrate {' '.join(a.calibrate)}` "
+                   f"({a.out}): "
                    "HardKuma gates trained on the CPU by "
                    f"distillation to the dense logits at {a.queries} decode positions of "
-                   f"{', '.join(f'{t} seed {s}' for t, s in CALIBRATE)}; a head retrieves iff E[z] > 0.5")
+                   f"{', '.join(f'{t} seed {s}' for t, s in calibrate)}; a head retrieves iff E[z] > 0.5")
         Path(a.map).write_text(json.dumps({
             "model": Path(a.model_dir).name, "architectures": model.config.architectures, "num_layers": layers,
             "num_kv_heads": heads, "dense_layers": first, "retrieval_heads": int(roles[first:].sum()),

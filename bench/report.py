@@ -220,7 +220,8 @@ def hardkuma_table(path: Path) -> str:
     cal = ", ".join(f"{c['task']} seed {c['seed']}" for c in t["calibration"])
     return md_table(f"Learned head roles (HardKuma, issue #12), {r['model']}, budget {r['budget']}, {r['length']} tokens: "
                     f"gates trained {t['steps']} steps on {t['device']} under E[L0] "
-                    f"{'=' if t.get('constraint') == 'equal' else '<='} target ({cal}; "
+                    f"{'=' if t.get('constraint') == 'equal' else '<='} target"
+                    f"{' (augmented Lagrangian, rho %g)' % t['rho'] if t.get('rho') else ''} ({cal}; "
                     f"{t['calibration'][0]['decode_positions']} "
                     f"decode positions each; final distillation loss {last['distill']}, E[L0] {last['expected_l0']} "
                     f"for a target of {r['target_heads']}), evaluated on held-out prompts like the calibrated maps "
@@ -480,7 +481,9 @@ def main():
                      ("head_roles_qwen.json", roles_table), ("head_roles_qwen_8k.json", roles_table),
                      ("hardkuma_smollm2.json", hardkuma_table),
                      ("hardkuma_qwen.json", hardkuma_table),
-                     ("hardkuma_eq_qwen.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
+                     ("hardkuma_eq_qwen.json", hardkuma_table),
+                     ("hardkuma_smollm2_damped.json", hardkuma_table),
+                     ("hardkuma_qwen_damped.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h100_default.json", serving_table),

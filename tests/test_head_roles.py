@@ -122,6 +122,40 @@ def test_hardkuma_gates_carry_gradients():
     assert prob_nonzero(torch.tensor(1.0), torch.tensor(0.0)) > prob_nonzero(torch.tensor(0.0), torch.tensor(0.0))
 
 
+def test_hardkuma_damped_constraint_lets_go_below_the_target():
+    from bench.hardkuma_roles import constraint_term
+
+    def pull(gap, lam, rho, equal=False):
+        g = torch.tensor(gap, requires_grad=True)
+        constraint_term(g, lam, rho, equal).backward()
+        return g.grad.item()
+
+    # the paper's Lagrangian pulls with lambda wherever E[L0] is; the damped one with max(0, lambda + rho * gap)
+    assert pull(-0.1, 2.0, 0.0) == pytest.approx(2.0)
+    assert pull(-0.1, 2.0, 20.0) == pytest.approx(0.0)
+    assert pull(-0.05, 2.0, 20.0) == pytest.approx(1.0)
+    assert pull(0.1, 2.0, 20.0) == pytest.approx(4.0)
+    assert pull(-0.1, 2.0, 20.0, equal=True) == pytest.approx(0.0)
+    assert pull(-0.2, 2.0, 20.0, equal=True) == pytest.approx(-2.0)
+
+
+def test_hardkuma_top_roles_take_the_target_count_by_expected_gate():
+    from bench.hardkuma_roles import top_roles
+
+    ez = torch.tensor([[0.1, 0.9, 0.3], [0.6, 0.05, 0.2]])   # sparse layers after the first, 3 KV heads
+    roles = top_roles(ez, first=2, heads=3, target=6)
+    assert roles.shape == (5, 3) and not roles[:2].any() and roles[2].all()
+    assert roles[3:].tolist() == [[False, True, True], [True, False, False]]
+
+
+def test_hardkuma_gates_stay_recoverable_within_their_range():
+    from bench.hardkuma_roles import GATE_LOG_RANGE, expected_z, prob_nonzero
+
+    shut = (torch.tensor(-GATE_LOG_RANGE), torch.tensor(GATE_LOG_RANGE))
+    assert 0.01 < prob_nonzero(*shut) < 0.05 and expected_z(*shut, samples=4000) < 0.5
+    assert expected_z(torch.tensor(GATE_LOG_RANGE), torch.tensor(-GATE_LOG_RANGE), samples=4000) > 0.9
+
+
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_fidelity_hybrid_methods_have_a_map_for_each_model(model):
     from bench.fidelity import METHODS
