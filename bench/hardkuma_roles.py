@@ -181,20 +181,24 @@ def train(model, prompts, first: int, heads: int, layers: int, target: int, step
             print(json.dumps(log[-1]), flush=True)
     model.config._attn_implementation = "sdpa"
     ez = expected_z(log_a.detach(), log_b.detach())
-    roles = np.zeros((layers, heads), dtype=bool)
+    return {"roles": gated_roles(ez > 0.5, first), "top": top_roles(ez, first, heads, target), "expected_z": ez,
+            "log": log}
+
+
+def gated_roles(retrieves: torch.Tensor, first: int) -> np.ndarray:
+    """The role array of every layer from the gated layers' picks: dense layers none, the first sparse layer all."""
+    roles = np.zeros((first + 1 + retrieves.shape[0], retrieves.shape[1]), dtype=bool)
     roles[first] = True
-    roles[first + 1:] = (ez > 0.5).numpy()
-    return {"roles": roles, "top": top_roles(ez, first, heads, target), "expected_z": ez, "log": log}
+    roles[first + 1:] = retrieves.numpy()
+    return roles
 
 
 def top_roles(ez: torch.Tensor, first: int, heads: int, target: int) -> np.ndarray:
     """The target's number of retrieval heads, by learned E[z] (the first sparse layer's heads always retrieve): the
     learned ranking at the count a calibrated map has, where E[z] > 0.5 gives whatever count the training ended at."""
-    roles = np.zeros((first + 1 + ez.shape[0], heads), dtype=bool)
-    roles[first] = True
-    pick = torch.argsort(ez.flatten(), descending=True, stable=True)[:max(0, target - heads)].numpy()
-    roles[first + 1:].reshape(-1)[pick] = True
-    return roles
+    pick = torch.zeros(ez.numel(), dtype=torch.bool)
+    pick[torch.argsort(ez.flatten(), descending=True, stable=True)[:max(0, target - heads)]] = True
+    return gated_roles(pick.view(ez.shape), first)
 
 
 def main():
