@@ -10,6 +10,7 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NEG = float("-inf")
 
 
 def own_rows(ranges, b):
@@ -71,6 +72,41 @@ def test_select_fine_ties_and_the_memory_pass(cut_block):
         ub = upper_bound(q[b].view(H, G, D), ix.fine_mu, ix.fine_r, "max")
         ties += sum(len(row) - len(set(row)) for row in ub.tolist())
     assert ties > 0
+
+
+def with_childless_units(ix, every: int = 2):
+    """``ix`` with an empty coarse unit (no fine cluster, radius -inf) before every ``every``-th unit, parents
+    renumbered: fine-cluster runs of length zero, which k-means can leave, in the middle and at both ends."""
+    P = ix.coarse_r.shape[1]
+    new_of = torch.arange(P) + torch.arange(P) // every + 1   # one empty unit first, then one per ``every``
+    Pn = P + P // every + 1 + 1                                 # and one at the end
+    H, d = ix.coarse_mu.shape[0], ix.coarse_mu.shape[-1]
+
+    def spread(t, fill):
+        out = torch.full((H, Pn, *t.shape[2:]), fill, dtype=t.dtype)
+        out[:, new_of] = t
+        return out
+
+    return type(ix)(**{**vars(ix), "coarse_mu": spread(ix.coarse_mu, 0.0), "coarse_r": spread(ix.coarse_r, NEG),
+                       "coarse_n": spread(ix.coarse_n, 0.0), "coarse_tokens": spread(ix.coarse_tokens, 0.0),
+                       "fine_parent": new_of[ix.fine_parent]})
+
+
+def test_select_fine_skips_childless_units():
+    """The fine bounds visit each coarse unit's run of fine clusters; units without a cluster (runs of length zero)
+    must leave no cluster unwritten and shift no run, with every part count."""
+    gen = torch.Generator().manual_seed(11)
+    bs, H, G, D = 3, 2, 2, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [80, 140, 6], gen)
+    indexes = [with_childless_units(ix, e) for ix, e in zip(indexes, (2, 3, 1))]
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
+    budgets = [90, 500, 10_000]
+    for parts in (1, 3, 8):
+        sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
+                          4.0, parts=parts).cpu()
+        for b, ix in enumerate(indexes):
+            ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], 4.0, "max")
+            assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref), (b, parts)
 
 
 def test_emit_matches_reference_mask():
