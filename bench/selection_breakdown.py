@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from bench.bench_kernels import D, FINE, H, graph_bench, selection_case
+from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
@@ -29,22 +29,30 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     lstarts, ws = c["list_starts"], c["workspace"]
+    cmu, cr, ctok = coarse
+    fmu, fr, ftok, fpar = fine
     bnd, sel = c["scratch"]
+    BLOCK_P = 128
     heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
-    R = retrieving
-    expanded = ks.coarse_expand(q, coarse, ranges, rem, expand, heads, 0.25)
+    R, st = retrieving, ranges.stride(0)
+    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device="cuda")
     out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * budget, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
 
     def coarse_pick():
-        ks.coarse_expand(q, coarse, ranges, rem, expand, heads, 0.25)
+        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, expand, 0.25,
+                                            q.stride(0), q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D,
+                                            BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks.fine_bounds(q, coarse, fine, ranges, expanded, bnd, heads, 0.25, parts=parts)
+        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, R, 0.25,
+                                                q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
+                                                BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=ks.FINE_BLOCK, PARTS=parts)
 
     def cut():
-        ks.cut(bnd, sel, fine, ranges, rem, heads)
+        ks._cut_kernel[(bs * R,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, R, H=H, BLOCK=ks.CUT_BLOCK,
+                                  num_warps=8)
 
     def emit():
         return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget,

@@ -17,35 +17,40 @@ from collections import defaultdict
 
 import torch
 
-from bench.bench_kernels import FINE, H, graph_bench, selection_case
+from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
 
-BUDGET, SINK, RECENT = 1024, 16, 64
+BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
 
 
 def sweep(bs: int, ctx: int, size: float) -> list[dict]:
     c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
-    coarse, fine = c["coarse"], c["fine"]
+    (cmu, cr, ctok), (fmu, fr, ftok, fpar) = c["coarse"], c["fine"]
     cfine, cstart, clen = c["chunks"]
     ranges = c["ranges"]
     st = ranges.stride(0)
     q, rem, seq, r2t, rows = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"]
     bnd, sel = c["scratch"]
     heads = ks.all_heads(H, "cuda")
-    expanded = ks.coarse_expand(q, coarse, ranges, rem, 16.0, heads, 0.25)
+    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
+    ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, H, 16.0, 0.25, q.stride(0),
+                                        q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
     rows_out = []
     for tile in (16, 32, 64):
         for parts in (8, 16, 32, 64):
             for warps in (2, 4, 8):
                 def bounds():
-                    ks.fine_bounds(q, coarse, fine, ranges, expanded, bnd, heads, 0.25, parts=parts, block=tile,
-                                   num_warps=warps)
+                    ks._fine_bounds_kernel[(bs * H, parts)](
+                        q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, H, 0.25, q.stride(0), q.stride(1),
+                        fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=tile, PARTS=parts,
+                        num_warps=warps)
                 rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
                                  "ms": round(graph_bench(bounds), 4)})
     for warps in (2, 4, 8, 16):
         for tile in (8192, 4096):
             def cut():
-                ks.cut(bnd, sel, fine, ranges, rem, heads, block=tile, num_warps=warps)
+                ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
+                                          num_warps=warps)
             rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")

@@ -4,7 +4,7 @@ No host synchronization and static launch shapes, so it runs inside a CUDA graph
 request lives in the node pools of ``sgl_sparsekv.index_pool`` (one row per node, KV heads side by
 side):
 
-    coarse pool:  mu [C, H, d], r [C, H], tok [C, H], first [C, H]   (co, P per segment; first: local fine index)
+    coarse pool:  mu [C, H, d], r [C, H], tok [C, H]                 (co, P per segment)
     fine pool:    mu [F, H, d], r [F, H], tok [F, H], parent [F, H]  (fo, L; parent is a local coarse index)
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
@@ -20,8 +20,7 @@ has an empty segment 0.
 ``select_fine`` follows sgl_sparsekv/select.py exactly on that union, ties included: coarse units are
 expanded in bound order while the tokens before them stay under ``expand * budget`` (counted pairwise,
 ties by lower index, as a stable sort would); the expanded units' fine clusters are taken in bound order
-while the running token count stays within the budget. A segment's fine clusters are grouped by coarse unit
-(``first``: each unit's first), so the bounds are computed for the expanded units' clusters only. The second cut is found without sorting, in one
+while the running token count stays within the budget. That second cut is found without sorting, in one
 program per (request, KV head): a bisection over order-preserving integer keys of the bounds finds the
 bound of the first cluster that overflows, in 33 passes over registers, so its cost grows with the
 clusters, not with their square.
@@ -40,8 +39,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from sgl_sparsekv.index import fine_runs
 
 NEG = tl.constexpr(float("-inf"))
 # a (request, KV head) with at most this many fine clusters (~98K tokens at one chunk per cluster) is cut in registers
@@ -120,51 +117,34 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, e
 
 
 @triton.jit
-def _unit_run(CFirst, T, st, b, u, P0, h, H: tl.constexpr):
-    """Union coarse unit ``u``'s fine clusters: (pool row of the segment's first, union position of the segment's
-    first, the run's first and end within the segment)."""
-    seg1 = u >= P0
-    uu = tl.where(seg1, u - P0, u)
-    co = tl.where(seg1, _offset(T, st, b, 6), _offset(T, st, b, 0))
-    P = tl.where(seg1, _field(T, st, b, 7), P0)
-    last = uu + 1 >= P
-    first = tl.load(CFirst + (co + uu) * H + h)
-    end = tl.where(last, tl.where(seg1, _field(T, st, b, 9), _field(T, st, b, 3)),
-                   tl.load(CFirst + (co + uu + 1) * H + h, mask=~last, other=0))
-    fo = tl.where(seg1, _offset(T, st, b, 8), _offset(T, st, b, 2))
-    return fo, tl.where(seg1, _field(T, st, b, 3), 0), first, end
-
-
-@triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, CFirst, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
+def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr):
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), into the request's scratch
-    rows (``Bnd`` [H, S]). PARTS programs per (request, retrieval KV head) take its coarse units in turn; a unit's
-    clusters are one run of rows, and an unexpanded unit's run is written without reading it."""
+    rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
+    fo0, L0, fo1 = _offset(T, st, b, 2), _field(T, st, b, 3), _offset(T, st, b, 8)
     P0 = _field(T, st, b, 1)
+    L = L0 + _field(T, st, b, 9)
     Qg = Q + b * stride_qb + h * G * stride_qh
     out = Bnd + h * S + _offset(T, st, b, 12)
-    for u in range(part, P0 + _field(T, st, b, 7), PARTS):
-        fo, base, first, end = _unit_run(CFirst, T, st, b, u, P0, h, H)
-        expanded = tl.load(Expanded + pid * BLOCK_P + u) > 0
-        for blk in range(first, end, BLOCK_L):
-            offs_l = blk + tl.arange(0, BLOCK_L)
-            lmask = offs_l < end
-            fub = tl.full([BLOCK_L], NEG, tl.float32)
-            if expanded:
-                frow = fo + offs_l
-                fr = tl.load(FR + frow * H + h, mask=lmask, other=NEG)
-                live = lmask & (fr > NEG)
-                fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
-                              mask=live[:, None] & dmask[None, :], other=0.0)
-                fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
-            tl.store(out + base + offs_l, fub, mask=lmask)
+    for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
+        offs_l = blk + tl.arange(0, BLOCK_L)
+        lmask = offs_l < L
+        frow = _union_rows(offs_l, fo0, L0, fo1)
+        par = tl.load(FPar + frow * H + h, mask=lmask, other=0) + tl.where(offs_l < L0, 0, P0)
+        fr = tl.load(FR + frow * H + h, mask=lmask, other=NEG)
+        live = (tl.load(Expanded + pid * BLOCK_P + par, mask=lmask, other=0) > 0) & lmask & (fr > NEG)
+        fub = tl.full([BLOCK_L], NEG, tl.float32)
+        if tl.max(live.to(tl.int32), 0) > 0:
+            fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
+                          mask=live[:, None] & dmask[None, :], other=0.0)
+            fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
+        tl.store(out + offs_l, fub, mask=lmask)
 
 
 @triton.jit
@@ -283,69 +263,42 @@ def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.empty(H, rows, dtype=torch.float32, device=device) for _ in range(2))
 
 
-def block_p(max_coarse: int) -> int:
-    """Coarse units a program of the expansion holds: both segments' (``max_coarse`` each)."""
-    return max(16, triton.next_power_of_2(2 * max_coarse))
-
-
-def coarse_expand(q, coarse, ranges, budget, expand: float, heads: torch.Tensor, radius_weight: float = 1.0,
-                  max_coarse: int = 64) -> torch.Tensor:
-    """-> expanded [bs * len(heads) * block_p] int8: per (request, retrieval head), which union coarse units to expand."""
-    cmu, cr, ctok, _ = coarse
-    bs, Hq, D = q.shape
-    H, R, BLOCK_P = cmu.shape[1], heads.numel(), block_p(max_coarse)
-    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
-    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, ranges.stride(0), budget, expanded, heads, R,
-                                     float(expand), float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H,
-                                     G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=BLOCK_P)
-    return expanded
-
-
-def fine_bounds(q, coarse, fine, ranges, expanded, bnd, heads: torch.Tensor, radius_weight: float = 1.0,
-                max_coarse: int = 64, parts: int = 8, block: int = FINE_BLOCK, num_warps: int = 4) -> None:
-    """The expanded units' fine-cluster bounds (-inf for the other clusters) into the scratch rows ``bnd``."""
-    fmu, fr = fine[:2]
-    bs, Hq, D = q.shape
-    H, R = fmu.shape[1], heads.numel()
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, coarse[3], ranges, ranges.stride(0), expanded, bnd, bnd.stride(0),
-                                         heads, R, float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H,
-                                         G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
-                                         BLOCK_P=block_p(max_coarse), BLOCK_L=block, PARTS=parts, num_warps=num_warps)
-
-
-def cut(bnd, sel, fine, ranges, budget, heads: torch.Tensor, block: int = CUT_BLOCK, num_warps: int = 8) -> None:
-    """Picks (1.0 = take) of each (request, retrieval head)'s fine clusters from their bounds, within its budget."""
-    ftok = fine[2]
-    R = heads.numel()
-    bs = budget.shape[0]
-    _cut_kernel[(bs * R,)](bnd, ftok, ranges, ranges.stride(0), budget, sel, sel.stride(0), heads, R, H=ftok.shape[1],
-                           BLOCK=block, num_warps=num_warps)
-
-
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None):
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
-    coarse = (mu [C,H,d], r [C,H], tok [C,H], first [C,H] int32); fine = (mu [F,H,d], r [F,H], tok [F,H],
-    parent [F,H] int32); ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``,
-    by default sized from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters'
-    bounds. Requests with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers.
+    coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
+    ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
+    from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
+    with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers.
     ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
     """
-    bs = q.shape[0]
-    H = coarse[0].shape[1]
+    bs, Hq, D = q.shape
+    cmu, cr, ctok = coarse
+    fmu, fr, ftok, fpar = fine
+    H = cmu.shape[1]
+    G = Hq // H
+    BLOCK_P = max(16, triton.next_power_of_2(2 * max_coarse))
+    BLOCK_D = triton.next_power_of_2(D)
     if out is None:
         out = scratch(_scratch_rows(ranges, bs), H, q.device)
     bnd, sel = out
     assert bnd.stride(0) == sel.stride(0), "bounds and picks in one layout"
     heads = all_heads(H, q.device) if heads is None else heads
-    expanded = coarse_expand(q, coarse, ranges, budget, expand, heads, radius_weight, max_coarse)
-    fine_bounds(q, coarse, fine, ranges, expanded, bnd, heads, radius_weight, max_coarse, parts)
-    cut(bnd, sel, fine, ranges, budget, heads, cut_block)
+    R = heads.numel()
+    st, S = ranges.stride(0), bnd.stride(0)
+    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
+    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, budget, expanded, heads, R, float(expand),
+                                     float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
+                                     BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, S, heads, R,
+                                         float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
+                                         BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
+    _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, num_warps=8)
     return sel
 
 
@@ -492,7 +445,7 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
     from sgl_sparsekv.index import ClusterIndex
     from sgl_sparsekv.select import select_clusters
 
-    cmu, cr, ctok, _ = coarse
+    cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
     bs, Hq, D = q.shape
     H = cmu.shape[1]
@@ -564,8 +517,7 @@ def pack(indexes, chunk_starts, chunk_lens, device):
         c, f, k = c + P, f + L, k + M
     coarse = (cat([ix.coarse_mu.transpose(0, 1) for ix in indexes]).contiguous(),
               cat([ix.coarse_r.T for ix in indexes]).contiguous(),
-              cat([ix.coarse_tokens.T for ix in indexes]).contiguous(),
-              cat([fine_runs(ix.fine_parent, ix.coarse_r.shape[1]).T for ix in indexes]).contiguous())
+              cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
     fine = (cat([ix.fine_mu.transpose(0, 1) for ix in indexes]).contiguous(),
             cat([ix.fine_r.T for ix in indexes]).contiguous(),
             cat([ix.fine_tokens.T for ix in indexes]).contiguous(),

@@ -151,14 +151,6 @@ def _group_by_parent(fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fi
     return fine_mu, fine_r, fine_n, fine_tokens, fine_parent, torch.argsort(order, dim=-1).gather(1, chunk_fine)
 
 
-def fine_runs(fine_parent: torch.Tensor, P: int) -> torch.Tensor:
-    """[..., P] int32: each coarse unit's first fine cluster. The fine clusters of an index are grouped by unit
-    (``_group_by_parent``; grafts add chunks, never clusters), so unit ``p``'s are rows ``first[p]`` up to
-    ``first[p + 1]`` (the last unit's up to L), and the fine-bounds kernel visits the expanded units' rows only."""
-    counts = scatter_sum(torch.ones_like(fine_parent, dtype=torch.int32), fine_parent.long(), P)
-    return (torch.cumsum(counts, -1) - counts).to(torch.int32)
-
-
 def _fine_level(keys: torch.Tensor, chunk_len: torch.Tensor, L: int, iters: int):
     """Chunks -> L fine clusters: (mu, r, chunk count, tokens) per cluster and each chunk's cluster."""
     H, M, d = keys.shape

@@ -6,7 +6,7 @@ numbers are charged to SGLang's memory planning by ``patches/plugin.py``). An in
 of rows in each pool (a segment, ``PoolRanges``); a request's own segment has chunk rows to spare, so
 grafting decoded chunks only writes rows.
 
-    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]  first [Ls, C, H] (local index of the unit's first fine cluster)
+    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
     (centroids mu in ``index.CENTROID_DTYPE``, the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex, fine_runs, recount, union
+from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex, recount, union
 
 
 class RangeAllocator:
@@ -98,8 +98,7 @@ class PoolCapacity:
 
     def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
         node = heads * (head_dim * CENTROID_DTYPE.itemsize + 3 * 4)   # mu; r, tok, n in fp32
-        # and an int32 per head: a coarse unit's first fine cluster, a fine cluster's parent, a chunk's cluster
-        per_layer = (self.coarse + self.fine) * (node + heads * 4) + self.chunks * heads * 4
+        per_layer = self.coarse * node + self.fine * (node + heads * 4) + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
 
@@ -129,7 +128,6 @@ class IndexPools:
         self.cmu, self.cr, self.ctok, self.cn = mu(cap.coarse), *(f32(layers, cap.coarse, heads) for _ in range(3))
         self.fmu, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(3))
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
-        self.cfirst = torch.zeros(layers, cap.coarse, heads, dtype=torch.int32, device=device)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
         self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -181,15 +179,12 @@ class IndexPools:
         par = self.fpar[:, rng.fo:rng.fo + rng.L]
         kf = self.kfine[:, rng.ko:rng.ko + rng.M]
         assert int(par.min()) >= 0 and int(par.max()) < rng.P, ("fine parents", rng)
-        assert bool((par.diff(dim=1) >= 0).all()), ("fine clusters not grouped by coarse unit", rng)
-        first = self.cfirst[:, rng.co:rng.co + rng.P]
-        assert torch.equal(first, fine_runs(par.transpose(1, 2), rng.P).transpose(1, 2)), ("coarse runs", rng)
         if rng.M:
             assert int(kf.min()) >= 0 and int(kf.max()) < rng.L, ("chunk clusters", rng)
 
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
-        return ((self.cmu[l], self.cr[l], self.ctok[l], self.cfirst[l]),
+        return ((self.cmu[l], self.cr[l], self.ctok[l]),
                 (self.fmu[l], self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
 
@@ -225,7 +220,6 @@ class IndexPools:
         for dst, src in ((self.fmu, ix.fine_mu), (self.fr, ix.fine_r), (self.ftok, ix.fine_tokens),
                          (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
             dst[:, f] = self._split(src)
-        self.cfirst[:, c] = self._split(fine_runs(ix.fine_parent, P))
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, fine_runs, graft_chunk, union,
+from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, graft_chunk, union,
                                 upper_bound)
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
@@ -296,18 +296,3 @@ def test_budget_per_head_selects_what_each_heads_own_budget_selects():
     got = select_clusters(index, q, torch.tensor(budgets, dtype=torch.float32)[:, None], 4.0, "max", 0.25)
     for h, b in enumerate(budgets):
         assert torch.equal(got[h], select_clusters(index, q, b, 4.0, "max", 0.25)[h])
-
-
-def test_fine_runs_brute_force():
-    """Each coarse unit's first fine cluster, for parents grouped by unit, units without a cluster included."""
-    gen = torch.Generator().manual_seed(2)
-    for P in (1, 4, 9):
-        parent = torch.sort(torch.randint(0, P, (3, 20), generator=gen), dim=1).values
-        first = fine_runs(parent, P)
-        assert first.dtype == torch.int32 and first.shape == (3, P)
-        for h in range(3):
-            for p in range(P):
-                assert int(first[h, p]) == int((parent[h] < p).sum())
-                run = parent[h, int(first[h, p]):int(first[h, p]) + int((parent[h] == p).sum())]
-                assert bool((run == p).all())
-
