@@ -306,6 +306,18 @@ def bounds_kernel_table(path: Path) -> str:
                     [(x["kernel"], x["BLOCK_L"], x["parts"], x["warps"], f"{x['ms']:.4f}") for x in rows[:8]])
 
 
+def fine_bounds_variants_table(path: Path) -> str:
+    """Fine-bounds kernel variants, each swapped into one tree in one call per card (bench/selection_breakdown.py)."""
+    r = json.loads(path.read_text())
+    rows = [(run["device"], v["name"], v["commit"], x["bs"], "yes" if x["shared_prefix"] else "no",
+             x["live_fine_per_head"], f"{x['fine_bounds_ms']:.4f}")
+            for run in r["runs"] for v in run["variants"] for x in v["rows"]]
+    return md_table(f"Fine-bounds kernel variants {r['what']}; kept: {r['kept']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["card", "variant", "commit", "batch", "shared prefix", "live clusters per head", "fine bounds ms"],
+                    rows)
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -486,6 +498,8 @@ def main():
                      ("hardkuma_qwen_damped.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h100_random.json", serving_table),
+                     ("fine_bounds_variants.json", fine_bounds_variants_table),
                      ("gpu_serving_h100_default.json", serving_table),
                      ("selection_breakdown_fine1.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", hybrid_breakdown_table),
