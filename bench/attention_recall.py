@@ -268,7 +268,7 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
     if variant.endswith("-served"):
         masks = served_masks(cfg, ids, layers, positions, table)
     elif variant in HEDGES:
-        masks = hedged_masks(cfg, HEDGES[variant], ids, layers, positions, table)
+        masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
         query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
@@ -277,17 +277,22 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
     return {(l, t): mask_metrics(layers[l], t, m, cfg.token_budget) for (l, t), m in masks.items()}, masks
 
 
-def hedged_masks(cfg: SparseKVConfig, share: float, ids, layers, positions, table) -> dict:
+def hedged_masks(cfg: SparseKVConfig, kind: str, share: float, ids, layers, positions, table) -> dict:
     """Analysis: lychee's selection with ``1 - share`` of the budget past the sink and the recent window, joined with
-    Quest's pages picked with the rest. Quest's per-channel min/max bound sees a page holding one token that takes
-    a head's whole attention (the digit a copying head reads); a cluster of chunk means does not."""
+    a pick by Quest's per-channel min/max bound with the rest: over Quest's pages (``kind`` "quest") or over
+    lychee's own chunks ("chunk"). That bound sees a page or chunk holding one token that takes a head's whole
+    attention (the digit a copying head reads); a chunk's mean key does not."""
     free = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
     pages = int(free * share) // cfg.page_size * cfg.page_size
     own = dataclasses.replace(cfg, token_budget=cfg.token_budget - pages)
-    quest = SparseKVConfig.from_method("quest", {"token_budget": cfg.sink_tokens + cfg.recent_window + pages,
-                                                 "sink_tokens": cfg.sink_tokens, "recent_window": cfg.recent_window})
+    rest = {"token_budget": cfg.sink_tokens + cfg.recent_window + pages}
     a = own_masks(own, ids, layers, positions, table)
-    b = own_masks(quest, ids, layers, positions, table)
+    if kind == "quest":
+        b = own_masks(SparseKVConfig.from_method("quest", {**rest, "sink_tokens": cfg.sink_tokens,
+                                                           "recent_window": cfg.recent_window}),
+                      ids, layers, positions, table)
+    else:
+        b = own_masks(dataclasses.replace(cfg, **rest), ids, layers, positions, table, token_bound="chunk")
     return {key: m | b[key] for key, m in a.items()}
 
 
@@ -314,8 +319,10 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
     return out
 
 
-# lychee joined with Quest's pages, which take this share of the budget past the sink and the recent window
-HEDGES = {"lychee-quest-hedge-25": 0.25, "lychee-quest-hedge-50": 0.5}
+# lychee joined with a second pick that takes this share of the budget past the sink and the recent window: Quest's
+# pages, or lychee's own chunks ranked by Quest's bound over their tokens (``token_bound_chunks``)
+HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("quest", 0.5),
+          "lychee-chunk-hedge-25": ("chunk", 0.25), "lychee-chunk-hedge-50": ("chunk", 0.5)}
 
 VARIANTS = {
     "lychee": {},

@@ -483,6 +483,7 @@ def main():
                      ("attention_recall_qwen_vt16k_h100.json", recall_table),
                      ("attention_recall_qwen_code_return_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_hedge_16k.json", recall_table),
+                     ("attention_recall_qwen_code_return_chunk_hedge_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_fine15_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_fine1_rankings_16k.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),

@@ -292,7 +292,7 @@ def test_hedged_masks_join_lychee_and_quest_within_the_budget():
         layers.append((q, k, v))
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
     pages = (256 - 16 - 64) // 4 // 16 * 16
-    masks = hedged_masks(cfg, HEDGES["lychee-quest-hedge-25"], ids, layers, [T - 1], table)
+    masks = hedged_masks(cfg, *HEDGES["lychee-quest-hedge-25"], ids, layers, [T - 1], table)
     own = own_masks(SparseKVConfig.from_method("lychee", {"token_budget": 256 - pages}), ids, layers, [T - 1], table)
     quest = own_masks(SparseKVConfig.from_method("quest", {"token_budget": 16 + 64 + pages}), ids, layers, [T - 1],
                       table)
@@ -301,3 +301,10 @@ def test_hedged_masks_join_lychee_and_quest_within_the_budget():
         assert torch.equal(m, own[key] | quest[key])
         assert int(m.sum(-1).max()) <= 256 and bool((m & ~own[key]).any())   # the pages add tokens
     assert all(bool(m[1, planted]) for m in quest.values())
+    # the same bound over lychee's own chunks (of 8-16 tokens, cut by the table): its pick alone finds the planted key
+    chunked = hedged_masks(cfg, *HEDGES["lychee-chunk-hedge-25"], ids, layers, [T - 1], table)
+    by_bound = own_masks(SparseKVConfig.from_method("lychee", {"token_budget": 16 + 64 + pages}), ids, layers,
+                         [T - 1], table, token_bound="chunk")
+    for key, m in chunked.items():
+        assert torch.equal(m, own[key] | by_bound[key]) and int(m.sum(-1).max()) <= 256
+        assert bool((m & ~own[key]).any()) and bool(by_bound[key][1, planted])
