@@ -80,7 +80,7 @@ def with_childless_units(ix, every: int = 2):
     P = ix.coarse_r.shape[1]
     new_of = torch.arange(P) + torch.arange(P) // every + 1   # one empty unit first, then one per ``every``
     Pn = P + P // every + 1 + 1                                 # and one at the end
-    H, d = ix.coarse_mu.shape[0], ix.coarse_mu.shape[-1]
+    H = ix.coarse_mu.shape[0]
 
     def spread(t, fill):
         out = torch.full((H, Pn, *t.shape[2:]), fill, dtype=t.dtype)
@@ -93,8 +93,8 @@ def with_childless_units(ix, every: int = 2):
 
 
 def test_select_fine_skips_childless_units():
-    """The fine bounds visit each coarse unit's run of fine clusters; units without a cluster (runs of length zero)
-    must leave no cluster unwritten and shift no run, with every part count."""
+    """Coarse units without a fine cluster (k-means can leave them; radius -inf) are never expanded and shift no fine
+    cluster's parent: the kernels pick what the reference picks, with every split of the bounds among programs."""
     gen = torch.Generator().manual_seed(11)
     bs, H, G, D = 3, 2, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [80, 140, 6], gen)
