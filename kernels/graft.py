@@ -121,6 +121,18 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
 
 
+def precompile_graft(pools, key_dtype: torch.dtype) -> None:
+    """Compile the graft kernel for ``pools`` now: one launch of one job of no chunks, which writes nothing. Grafts
+    run outside the CUDA graph, so its first compile (about a second) would otherwise stall the whole decode batch
+    of the first request that grafts. The variant is the one serving uses (see the kernel's specializations)."""
+    Ls, _, H, D = pools.fmu.shape
+    if Ls == 0:
+        return
+    payload = torch.zeros(8, dtype=torch.int64, device=pools.fmu.device)   # what PoolPlan.packed uploads
+    keys = torch.zeros(Ls, 1, H, 1, D, dtype=key_dtype, device=pools.fmu.device)
+    graft_chunks(pools, keys, payload[:6].view(6, 1), payload[6:7], payload[7:])
+
+
 def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.Tensor,
                      starts: torch.Tensor) -> None:
     """Torch twin of :func:`graft_chunks`: ``index.graft`` on [layers, heads] views of each request's rows."""

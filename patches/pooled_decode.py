@@ -25,13 +25,15 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, e
                                          select_fine_ref)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager, logger
-from sgl_sparsekv.transfer import to_device
+from sgl_sparsekv.transfer import StagedUpload
 
 SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
 NR = len(RANGE_FIELDS)
+UNPLACED = [0] * NR                        # the ranges of a request without an index in the pools
+PADDING_ROW = UNPLACED + [0, 1, 0, 0]      # a batch row past the requests: one token of request row 0
 
 
 class PooledDecode:
@@ -54,6 +56,7 @@ class PooledDecode:
         self.table = torch.zeros(NR + 4, max_bs, dtype=torch.int32, device=dev)
         self.fields = tuple(self.table)
         self.ranges = self.table[:NR]
+        self.staging = StagedUpload(self.table)
         self.rows, self.seq, self.budget, self.direct = self.fields[NR:]
         self.scratch = scratch(SCRATCH_PER_FINE_ROW * pools.capacity.fine, H, dev)
         self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
@@ -84,29 +87,33 @@ class PooledDecode:
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
-        table = [[0] * padded_bs for _ in self.fields]
-        table[NR + 1] = [1] * padded_bs   # padding rows: one token of request row 0
-        so, room = 0, self.scratch[0].shape[1]
-        for i, (row, S, segs) in enumerate(zip(rows, seq_lens, segments)):
+        table = []   # per batch row: RANGE_FIELDS, request row, length, budget, dense fallback
+        so, room, direct_rows, attended = 0, self.scratch[0].shape[1], 0, 0
+        for row, S, segs in zip(rows, seq_lens, segments):
             need = sum(seg.L for seg in segs)
             placed = bool(segs) and so + need <= room
-            if placed:
-                # the own segment is segment 1; a request without an adopted prefix has an empty segment 0
-                for first, seg in zip((6 * (2 - len(segs)), 6), segs):
-                    for k, v in enumerate((seg.co, seg.P, seg.fo, seg.L, seg.ko, seg.M)):
-                        table[first + k][i] = v
-                table[NR - 1][i] = so
+            ranges = UNPLACED
+            if placed:   # the own segment is segment 1; without an adopted prefix segment 0 is empty
+                ranges = [0] * 6 * (2 - len(segs))
+                for seg in segs:
+                    ranges += (seg.co, seg.P, seg.fo, seg.L, seg.ko, seg.M)
+                ranges.append(so)
                 so += need
             direct = m.needs_sparse(S) and not placed
             if direct and segs:
                 self._scratch_full()
-            table[NR][i], table[NR + 1][i], table[NR + 2][i], table[NR + 3][i] = row, S, retrieve, int(direct)
-            m.stats["context_tokens"] += S
-            m.stats["attended_tokens"] += S if direct else min(S, cfg.token_budget)
-            m.stats["dense_fallback_steps"] += direct
+            table.append(ranges + [row, S, retrieve, direct])
+            direct_rows += direct
+            attended += S if direct else min(S, cfg.token_budget)
+        table += [PADDING_ROW] * (padded_bs - len(rows))
+        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + 4)
+        m.stats["context_tokens"] += sum(seq_lens)
+        m.stats["attended_tokens"] += attended
+        m.stats["dense_fallback_steps"] += direct_rows
         if DEBUG:
-            check_table(table, len(rows), m.pools.capacity, room, req_to_token.shape)
-        self.table[:, :padded_bs].copy_(to_device(torch.from_numpy(np.array(table, dtype=np.int32)), self.table.device))
+            check_table(table.T, len(rows), m.pools.capacity, room, req_to_token.shape)
+        self.staging.host().numpy()[:, :padded_bs] = table.T
+        self.staging.upload()
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
     def _scratch_full(self) -> None:

@@ -51,7 +51,7 @@ from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index_grouped, empty_index
 from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
-from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
+from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
 from sgl_sparsekv.select import select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
@@ -189,6 +189,8 @@ class SparseKVManager:
         if pooled:
             self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
                                     self.device)
+            if self.use_kernels:
+                precompile_graft(self.pools, self.key_dtype)
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []

@@ -20,6 +20,38 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class StagedUpload:
+    """A device tensor rewritten from the host at every step, through a small ring of pinned host buffers.
+
+    ``host()`` gives the next buffer to fill, ``upload()`` queues its copy into ``dest`` (one copy, no kernel, no
+    allocation). A buffer is reused only once the GPU got past its last copy; were it still pending (it never is
+    when the host runs at most a step or two ahead), the step pays a fresh pinned buffer instead of a wait."""
+
+    def __init__(self, dest: torch.Tensor, ring: int = 4):
+        assert dest.is_contiguous()
+        self.dest = dest
+        pinned = dest.is_cuda
+        self.bufs = [torch.zeros(dest.shape, dtype=dest.dtype, pin_memory=pinned) for _ in range(ring if pinned else 1)]
+        self.events: list[torch.cuda.Event | None] = [None] * len(self.bufs)
+        self.turn = 0
+
+    def host(self) -> torch.Tensor:
+        ev = self.events[self.turn]
+        if ev is not None and not ev.query():
+            self.bufs[self.turn] = torch.empty_like(self.bufs[self.turn], pin_memory=True)
+            self.events[self.turn] = None
+        return self.bufs[self.turn]
+
+    def upload(self) -> None:
+        i = self.turn
+        self.dest.copy_(self.bufs[i], non_blocking=True)
+        if self.dest.is_cuda:
+            if self.events[i] is None:
+                self.events[i] = torch.cuda.Event()
+            self.events[i].record()
+        self.turn = (i + 1) % len(self.bufs)
+
+
 class LateRead:
     """A device tensor copied to the host asynchronously; ``ready`` once the GPU got past the copy."""
 

@@ -15,10 +15,10 @@ from sgl_sparsekv.attend import sparse_decode
 from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
-from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref
+from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
-from sgl_sparsekv.transfer import sync_check
+from sgl_sparsekv.transfer import StagedUpload, sync_check
 from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
 
 G = 3
@@ -520,7 +520,8 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
 def test_graft_compiles_once_across_step_shapes():
     """In serving the job table, lengths and starts are slices of the step's one int64 upload, at offsets that
     follow the step's request and chunk counts. Each new 16-byte alignment or count-derived stride used to
-    compile a new graft kernel mid-serving (seconds of stall): steps of any shape must share one variant."""
+    compile a new graft kernel mid-serving (seconds of stall): steps of any shape must share one variant, the one
+    the manager compiles at startup (``precompile_graft``)."""
     from sgl_sparsekv.kernels.graft import _graft_kernel
     dev, Ls, d = "cuda", 2, 64
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -531,7 +532,11 @@ def test_graft_compiles_once_across_step_shapes():
         lengths = torch.full((24,), 12, device=dev)
         ranges.append(pools.load(build_index(keys, lengths, 2.0, 64, 5), torch.cumsum(lengths, 0) - lengths,
                                  lengths, room=64))
-    variants = None
+    cache = _graft_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    precompile_graft(pools, torch.bfloat16)
+    variants = len(cache)
+    assert variants <= before + 1
     for step, (G, J, pad) in enumerate([(1, 1, 0), (2, 3, 1), (3, 5, 3), (1, 2, 2), (3, 3, 5)]):
         per = [J // G + (i < J % G) for i in range(G)]
         jobs, k0 = [], 0
@@ -543,7 +548,24 @@ def test_graft_compiles_once_across_step_shapes():
         keys = torch.nn.functional.normalize(torch.randn(Ls, J, H, 1, d, device=dev, generator=gen), dim=-1)
         graft_chunks(pools, keys.to(torch.bfloat16), payload[:6 * G].view(6, G), payload[6 * G:6 * G + J],
                      payload[6 * G + J:])
-        n = len(_graft_kernel.device_caches[torch.cuda.current_device()][0])
-        variants = n if variants is None else variants
+        n = len(cache)
         assert n == variants, f"step {step} (G={G}, J={J}, offset {pad}) compiled a new graft variant"
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_staged_upload_never_rewrites_a_pending_copy():
+    """The step's range table goes up through a ring of pinned buffers. With the GPU held busy, every copy is still
+    pending when the ring comes round: each step must still deliver its own values, without waiting."""
+    dest = torch.zeros(3, 8, dtype=torch.int32, device="cuda")
+    up = StagedUpload(dest, ring=2)
+    seen = torch.zeros(6, 3, 8, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    with sync_check("error"):
+        torch.cuda._sleep(200_000_000)   # about 0.1 s of GPU time ahead of the copies
+        for v in range(6):
+            up.host().fill_(v)
+            up.upload()
+            seen[v].copy_(dest)
+    torch.cuda.synchronize()
+    assert seen.flatten(1).tolist() == [[v] * 24 for v in range(6)]
