@@ -138,6 +138,13 @@ def query_spans(ids, positions, table, query: str) -> dict:
     return spans
 
 
+def window(cfg: SparseKVConfig, seq: int) -> tuple[int, int, int]:
+    """(sink tokens, recent window, budget past both) of a step over ``seq`` tokens."""
+    sink = min(cfg.sink_tokens, seq)
+    recent = min(cfg.recent_window, seq - sink)
+    return sink, recent, cfg.token_budget - sink - recent
+
+
 def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: str = "", query: str = "own",
               budgets: np.ndarray | None = None) -> dict:
     """{(layer, t): bool mask [H, t + 1]} of what each sparse layer selects for the query at each position t,
@@ -156,9 +163,7 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
         starts, ends = (x.to(dev) for x in unit_bounds(chunker, ids[:seq]))
         indptr = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), ends]).to(torch.int32)
         slots = torch.arange(int(ends[-1]) if len(ends) else 0, dtype=torch.int32, device=dev)
-        sink = min(cfg.sink_tokens, seq)
-        recent = min(cfg.recent_window, seq - sink)
-        budget = cfg.token_budget - sink - recent
+        sink, recent, budget = window(cfg, seq)
         for l, (q_all, k_all, _) in enumerate(layers):
             if l < cfg.dense_layers:
                 continue
@@ -269,6 +274,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = served_masks(cfg, ids, layers, positions, table)
     elif variant in HEDGES:
         masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
+    elif variant in ORACLES:
+        masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[variant])
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
         query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
@@ -294,6 +301,40 @@ def hedged_masks(cfg: SparseKVConfig, kind: str, share: float, ids, layers, posi
     else:
         b = own_masks(dataclasses.replace(cfg, **rest), ids, layers, positions, table, token_bound="chunk")
     return {key: m | b[key] for key, m in a.items()}
+
+
+def oracle_masks(cfg: SparseKVConfig, ids, layers, positions, table, chunks: bool) -> dict:
+    """Analysis, the ceiling of a selection at the same KV read: per (layer, KV head, query) the tokens that hold
+    the most of the query group's mean dense attention, up to the budget past the sink and the recent window
+    (``chunks``: lychee's chunks taken whole, by the mass they hold, in that order while they fit). A selection's
+    gap to it is its ranking's; the ceiling's gap to 1 is the budget's."""
+    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
+    out = {}
+    for t in positions:
+        seq = t + 1
+        sink, recent, budget = window(cfg, seq)
+        for l, (q_all, k_all, _) in enumerate(layers):
+            if l < cfg.dense_layers:
+                continue
+            H, _, d = k_all.shape
+            dev = k_all.device
+            free = torch.zeros(seq, dtype=torch.bool, device=dev)
+            free[sink:seq - recent] = True
+            q = q_all[:, t].view(H, -1, d)
+            w = torch.softmax(torch.einsum("hgd,hsd->hgs", q, k_all[:, :seq]) / math.sqrt(d), -1).mean(1) * free
+            if not chunks:
+                top = w.topk(min(budget, int(free.sum())), -1).indices
+                out[(l, t)] = torch.zeros(H, seq, dtype=torch.bool, device=dev).scatter_(1, top, True) | ~free
+                continue
+            starts, ends = (x.to(dev) for x in unit_bounds(chunker, ids[:seq]))
+            cum = torch.nn.functional.pad(w.cumsum(-1), (1, 0))
+            fcum = torch.nn.functional.pad(free.long().cumsum(0), (1, 0))
+            mass, cost = cum[:, ends] - cum[:, starts], fcum[ends] - fcum[starts]       # [H, U], [U]
+            order = mass.argsort(-1, descending=True)
+            keep = cost[order].cumsum(-1) <= budget
+            sel = torch.zeros_like(keep).scatter_(1, order, keep)
+            out[(l, t)] = units_to_token_mask(sel, starts, ends, seq, sink, recent)
+    return out
 
 
 def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
@@ -324,6 +365,9 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
 HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("quest", 0.5),
           "lychee-chunk-hedge-25": ("chunk", 0.25), "lychee-chunk-hedge-50": ("chunk", 0.5)}
 
+# the ceilings at the same read: the best tokens, or lychee's chunks taken whole (True)
+ORACLES = {"lychee-oracle-tokens": False, "lychee-oracle-chunks": True}
+
 VARIANTS = {
     "lychee": {},
     "lychee-served": {},
@@ -346,6 +390,7 @@ VARIANTS = {
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
+    **{v: {} for v in ORACLES},
     **{v: {} for v in HEDGES},
     "quest": {},
     "quest-previous-query": {},

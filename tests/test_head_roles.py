@@ -270,26 +270,34 @@ def test_attention_recall_several_budgets_match_single_runs(tmp_path, smollm2_di
         assert both["variants"][f"{v}@128"]["kv_read"] < both["variants"][f"{v}@256"]["kv_read"]
 
 
-def test_hedged_masks_join_lychee_and_quest_within_the_budget():
-    """``lychee-quest-hedge-*`` (bench.attention_recall): lychee with part of the budget, joined with Quest's pages
-    picked with the rest; never more tokens than the budget per KV head, and a token that takes one query head's
-    whole attention (a key along that query) is found by the pages' min/max bound."""
-    import numpy as np
-    import torch
+PLANTED = (1500, 2, 2, 16, 700)   # tokens, KV heads, query heads per KV head, head dim, the planted key's position
 
-    from bench.attention_recall import HEDGES, hedged_masks, own_masks
+
+def planted_layers(seed: int):
+    """(boundary table, token ids, three layers of random (q, k, v)) where query head 3 (KV head 1) at the last
+    position reads only the key planted at ``PLANTED[-1]``."""
     from sgl_sparsekv.chunking import BoundaryTable
-    from sgl_sparsekv.config import SparseKVConfig
 
-    g = torch.Generator().manual_seed(0)
-    T, H, G, d, planted = 1500, 2, 2, 16, 700
+    T, H, G, d, planted = PLANTED
+    g = torch.Generator().manual_seed(seed)
     table = BoundaryTable.from_texts(["a", " b", ".", " c", "\n"])
     ids = np.array(torch.randint(0, 5, (T,), generator=g))
     layers = []
     for _ in range(3):
         q, k, v = (torch.randn(n, T, d, generator=g) for n in (H * G, H, H))
-        k[1, planted] = 40 * q[3, T - 1] / q[3, T - 1].norm()     # query head 3 (KV head 1) reads only this key
+        k[1, planted] = 40 * q[3, T - 1] / q[3, T - 1].norm()
         layers.append((q, k, v))
+    return table, ids, layers
+
+
+def test_hedged_masks_join_lychee_and_quest_within_the_budget():
+    """``lychee-quest-hedge-*`` (bench.attention_recall): lychee with part of the budget, joined with Quest's pages
+    picked with the rest; never more tokens than the budget per KV head, and a token that takes one query head's
+    whole attention (a key along that query) is found by the pages' min/max bound."""
+    from bench.attention_recall import HEDGES, hedged_masks, own_masks
+
+    T, _, _, _, planted = PLANTED
+    table, ids, layers = planted_layers(0)
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
     pages = (256 - 16 - 64) // 4 // 16 * 16
     masks = hedged_masks(cfg, *HEDGES["lychee-quest-hedge-25"], ids, layers, [T - 1], table)
@@ -308,3 +316,36 @@ def test_hedged_masks_join_lychee_and_quest_within_the_budget():
     for key, m in chunked.items():
         assert torch.equal(m, own[key] | by_bound[key]) and int(m.sum(-1).max()) <= 256
         assert bool((m & ~own[key]).any()) and bool(by_bound[key][1, planted])
+
+
+def test_oracle_masks_bound_every_selection_at_the_same_read():
+    """``lychee-oracle-*`` (bench.attention_recall), the ceiling a selection is measured against: per KV head the
+    budget's tokens (or lychee's whole chunks) holding the most of the group's mean dense attention. Lychee's
+    selection never keeps more of that mass than the token ceiling; the chunk ceiling takes chunks whole, holds no
+    more than the token ceiling, and both find a key that takes one query head's whole attention."""
+    import math
+
+    from bench.attention_recall import ORACLES, oracle_masks, own_masks, unit_bounds
+    from sgl_sparsekv.chunking import Chunker
+
+    T, H, G, d, planted = PLANTED
+    table, ids, layers = planted_layers(1)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    t = T - 1
+    tokens, chunks = (oracle_masks(cfg, ids, layers, [t], table, ORACLES[v]) for v in ORACLES)
+    lychee = own_masks(cfg, ids, layers, [t], table)
+    starts, ends = unit_bounds(Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table), ids[:T])
+    inside = (starts >= cfg.sink_tokens) & (ends <= T - cfg.recent_window)
+    for key in lychee:
+        q, k, _ = layers[key[0]]
+        w = torch.softmax(torch.einsum("hgd,hsd->hgs", q[:, t].view(H, G, d), k) / math.sqrt(d), -1).mean(1)
+
+        def mass(m):
+            return (w * m).sum(-1)
+
+        assert torch.all(tokens[key].sum(-1) == 256) and torch.all(chunks[key].sum(-1) <= 256)
+        assert torch.all(mass(lychee[key]) <= mass(tokens[key]) + 1e-6)
+        assert torch.all(mass(chunks[key]) <= mass(tokens[key]) + 1e-6)
+        for a, b in zip(starts[inside].tolist(), ends[inside].tolist()):   # a chunk is in or out, whole
+            assert bool((chunks[key][:, a:b].all(-1) | ~chunks[key][:, a:b].any(-1)).all())
+        assert bool(tokens[key][1, planted]) and bool(chunks[key][1, planted])
