@@ -274,8 +274,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = served_masks(cfg, ids, layers, positions, table)
     elif variant in HEDGES:
         masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
-    elif variant in ORACLES:
-        masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[variant])
+    elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
+        masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
         bound = next((b for b in ("cluster", "chunk") if variant.endswith(f"-{b}-token-bound")), "")
         query = next((x for x in ("previous", "sentence") if variant.endswith(f"-{x}-query")), "own")
@@ -365,8 +365,8 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
 HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("quest", 0.5),
           "lychee-chunk-hedge-25": ("chunk", 0.25), "lychee-chunk-hedge-50": ("chunk", 0.5)}
 
-# the ceilings at the same read: the best tokens, or lychee's chunks taken whole (True)
-ORACLES = {"lychee-oracle-tokens": False, "lychee-oracle-chunks": True}
+# the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
+ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}
 
 VARIANTS = {
     "lychee": {},
@@ -390,7 +390,10 @@ VARIANTS = {
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
-    **{v: {} for v in ORACLES},
+    "lychee-oracle-tokens": {},
+    "lychee-oracle-chunks": {},
+    "lychee-chunks-4-8": {"chunk_min": 4, "chunk_max": 8},
+    "lychee-chunks-4-8-oracle-chunks": {"chunk_min": 4, "chunk_max": 8},
     **{v: {} for v in HEDGES},
     "quest": {},
     "quest-previous-query": {},

@@ -332,7 +332,8 @@ def test_oracle_masks_bound_every_selection_at_the_same_read():
     table, ids, layers = planted_layers(1)
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
     t = T - 1
-    tokens, chunks = (oracle_masks(cfg, ids, layers, [t], table, ORACLES[v]) for v in ORACLES)
+    tokens, chunks = (oracle_masks(cfg, ids, layers, [t], table, ORACLES[o]) for o in ("-oracle-tokens",
+                                                                                      "-oracle-chunks"))
     lychee = own_masks(cfg, ids, layers, [t], table)
     starts, ends = unit_bounds(Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table), ids[:T])
     inside = (starts >= cfg.sink_tokens) & (ends <= T - cfg.recent_window)
