@@ -274,6 +274,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = served_masks(cfg, ids, layers, positions, table)
     elif variant in HEDGES:
         masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
+    elif variant in RERANKS:
+        masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
@@ -337,6 +339,29 @@ def oracle_masks(cfg: SparseKVConfig, ids, layers, positions, table, chunks: boo
     return out
 
 
+def reranked_masks(cfg: SparseKVConfig, factor: int, ids, layers, positions, table) -> dict:
+    """Analysis, a two-stage selection: lychee picks ``factor`` times the budget past the sink and the recent window
+    as candidates, then the budget's best candidate tokens by the query group's attention over the candidates
+    (their keys read, scored exactly) are kept. It attends what lychee attends; it reads ``factor`` times the keys."""
+    free = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+    wide = own_masks(dataclasses.replace(cfg, token_budget=cfg.token_budget + (factor - 1) * free), ids, layers,
+                     positions, table)
+    out = {}
+    for (l, t), cand in wide.items():
+        q_all, k_all, _ = layers[l]
+        H, _, d = k_all.shape
+        seq = t + 1
+        sink, recent, budget = window(cfg, seq)
+        logits = torch.einsum("hgd,hsd->hgs", q_all[:, t].view(H, -1, d), k_all[:, :seq]) / math.sqrt(d)
+        w = torch.softmax(logits.masked_fill(~cand[:, None], float("-inf")), -1).mean(1)
+        w[:, :sink] = w[:, seq - recent:] = 0
+        top = w.topk(min(budget, seq - sink - recent), -1).indices
+        keep = torch.zeros_like(cand).scatter_(1, top, True) & cand
+        keep[:, :sink] = keep[:, seq - recent:] = True
+        out[(l, t)] = keep
+    return out
+
+
 def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
     """The ``n`` (layer, query, query head) whose dense attention mass the selection covers least, each with the
     tokens dense attention weighs most there and whether the selection has them: where the missed mass goes."""
@@ -365,6 +390,9 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
 HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("quest", 0.5),
           "lychee-chunk-hedge-25": ("chunk", 0.25), "lychee-chunk-hedge-50": ("chunk", 0.5)}
 
+# two-stage selections: lychee's pick at this many times the budget, reranked token by token
+RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
+
 # the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
 ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}
 
@@ -390,6 +418,7 @@ VARIANTS = {
     "lychee-previous-query": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
+    **{v: {} for v in RERANKS},
     "lychee-oracle-tokens": {},
     "lychee-oracle-chunks": {},
     "lychee-chunks-4-8": {"chunk_min": 4, "chunk_max": 8},

@@ -350,3 +350,33 @@ def test_oracle_masks_bound_every_selection_at_the_same_read():
         for a, b in zip(starts[inside].tolist(), ends[inside].tolist()):   # a chunk is in or out, whole
             assert bool((chunks[key][:, a:b].all(-1) | ~chunks[key][:, a:b].any(-1)).all())
         assert bool(tokens[key][1, planted]) and bool(chunks[key][1, planted])
+
+
+def test_reranked_masks_keep_the_best_candidates():
+    """``lychee-rerank-*`` (bench.attention_recall): lychee's pick at a multiple of the budget, of which the budget's
+    best tokens by the group's attention over the candidates are kept: a subset of the candidates within the budget,
+    no dropped candidate outweighs a kept one, and the planted key, once a candidate, is kept."""
+    import dataclasses
+    import math
+
+    from bench.attention_recall import RERANKS, own_masks, reranked_masks
+
+    T, H, G, d, planted = PLANTED
+    table, ids, layers = planted_layers(2)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    t, free = T - 1, 256 - 16 - 64
+    kept = reranked_masks(cfg, RERANKS["lychee-rerank-2"], ids, layers, [t], table)
+    wide = own_masks(dataclasses.replace(cfg, token_budget=256 + free), ids, layers, [t], table)
+    for key, m in kept.items():
+        cand = wide[key]
+        q, k, _ = layers[key[0]]
+        logits = torch.einsum("hgd,hsd->hgs", q[:, t].view(H, G, d), k) / math.sqrt(d)
+        w = torch.softmax(logits.masked_fill(~cand[:, None], float("-inf")), -1).mean(1)
+        middle = torch.zeros(T, dtype=torch.bool)
+        middle[16:T - 64] = True
+        assert not bool((m & ~cand).any()) and torch.all((m & middle).sum(-1) <= free)
+        for h in range(H):
+            dropped = cand[h] & ~m[h] & middle
+            assert bool(dropped.any()) and float(w[h][dropped].max()) <= float(w[h][m[h] & middle].min()) + 1e-7
+        assert bool(m[1, planted]) or not bool(cand[1, planted])
+    assert bool(next(iter(wide.values()))[1, planted])   # the test is not vacuous: lychee finds it at twice the budget
