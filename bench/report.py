@@ -473,6 +473,7 @@ def main():
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),
                      ("attention_recall_qwen_oracle_30k.json", merged_recall_table),
+                     ("attention_recall_qwen_rerank_16k.json", merged_recall_table),
                      ("selection_query_qwen_4k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
