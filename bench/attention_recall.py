@@ -305,33 +305,42 @@ def hedged_masks(cfg: SparseKVConfig, kind: str, share: float, ids, layers, posi
     return {key: m | b[key] for key, m in a.items()}
 
 
+def group_attention(layer, t: int, among: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, t + 1]: dense attention of the query at ``t``, the mean over each KV head's query group (the softmax taken
+    over the ``among`` tokens only, a bool [H, t + 1], when given)."""
+    q_all, k_all, _ = layer
+    H, _, d = k_all.shape
+    logits = torch.einsum("hgd,hsd->hgs", q_all[:, t].view(H, -1, d), k_all[:, :t + 1]) / math.sqrt(d)
+    if among is not None:
+        logits = logits.masked_fill(~among[:, None], float("-inf"))
+    return torch.softmax(logits, -1).mean(1)
+
+
 def oracle_masks(cfg: SparseKVConfig, ids, layers, positions, table, chunks: bool) -> dict:
     """Analysis, the ceiling of a selection at the same KV read: per (layer, KV head, query) the tokens that hold
     the most of the query group's mean dense attention, up to the budget past the sink and the recent window
     (``chunks``: lychee's chunks taken whole, by the mass they hold, in that order while they fit). A selection's
     gap to it is its ranking's; the ceiling's gap to 1 is the budget's."""
     chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
+    dev = layers[0][1].device
     out = {}
     for t in positions:
         seq = t + 1
         sink, recent, budget = window(cfg, seq)
-        for l, (q_all, k_all, _) in enumerate(layers):
-            if l < cfg.dense_layers:
-                continue
-            H, _, d = k_all.shape
-            dev = k_all.device
-            free = torch.zeros(seq, dtype=torch.bool, device=dev)
-            free[sink:seq - recent] = True
-            q = q_all[:, t].view(H, -1, d)
-            w = torch.softmax(torch.einsum("hgd,hsd->hgs", q, k_all[:, :seq]) / math.sqrt(d), -1).mean(1) * free
+        free = torch.zeros(seq, dtype=torch.bool, device=dev)
+        free[sink:seq - recent] = True
+        if chunks:
+            starts, ends = (x.to(dev) for x in unit_bounds(chunker, ids[:seq]))
+            fcum = torch.nn.functional.pad(free.long().cumsum(0), (1, 0))
+            cost = fcum[ends] - fcum[starts]                                             # [U]
+        for l in range(cfg.dense_layers, len(layers)):
+            w = group_attention(layers[l], t) * free
             if not chunks:
                 top = w.topk(min(budget, int(free.sum())), -1).indices
-                out[(l, t)] = torch.zeros(H, seq, dtype=torch.bool, device=dev).scatter_(1, top, True) | ~free
+                out[(l, t)] = torch.zeros_like(w, dtype=torch.bool).scatter_(1, top, True) | ~free
                 continue
-            starts, ends = (x.to(dev) for x in unit_bounds(chunker, ids[:seq]))
             cum = torch.nn.functional.pad(w.cumsum(-1), (1, 0))
-            fcum = torch.nn.functional.pad(free.long().cumsum(0), (1, 0))
-            mass, cost = cum[:, ends] - cum[:, starts], fcum[ends] - fcum[starts]       # [H, U], [U]
+            mass = cum[:, ends] - cum[:, starts]                                          # [H, U]
             order = mass.argsort(-1, descending=True)
             keep = cost[order].cumsum(-1) <= budget
             sel = torch.zeros_like(keep).scatter_(1, order, keep)
@@ -348,12 +357,9 @@ def reranked_masks(cfg: SparseKVConfig, factor: int, ids, layers, positions, tab
                      positions, table)
     out = {}
     for (l, t), cand in wide.items():
-        q_all, k_all, _ = layers[l]
-        H, _, d = k_all.shape
         seq = t + 1
         sink, recent, budget = window(cfg, seq)
-        logits = torch.einsum("hgd,hsd->hgs", q_all[:, t].view(H, -1, d), k_all[:, :seq]) / math.sqrt(d)
-        w = torch.softmax(logits.masked_fill(~cand[:, None], float("-inf")), -1).mean(1)
+        w = group_attention(layers[l], t, among=cand)
         w[:, :sink] = w[:, seq - recent:] = 0
         top = w.topk(min(budget, seq - sink - recent), -1).indices
         keep = torch.zeros_like(cand).scatter_(1, top, True) & cand
