@@ -37,6 +37,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
            # half the coarse expansion: fine bounds for about half the clusters at 32K (selection_breakdown_expand)
            "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
+           # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
+           "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
            **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},
@@ -107,6 +109,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
+                    **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
+                       if stats.get("scored_tokens") else {}),
                     "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and not eager}
             for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
                 vals = [v for k, v in scores.items() if k.split("@")[0] in names]

@@ -41,10 +41,11 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
 # lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
 # rank and store); results of that time name it lychee, and one chunk per fine cluster lychee-fine-1;
-# lychee-expand-8: coarse_expand 8, fine bounds for about half the clusters at 32K
+# lychee-expand-8: coarse_expand 8, fine bounds for about half the clusters at 32K; lychee-rerank-2: the two-stage
+# selection (twice the budget's candidates, their keys scored, the budget's best attended)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
-            "lychee-expand-8": {"coarse_expand": 8.0}}
+            "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2}}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "scratch_full_steps", "decode_prepare_s", "index_build_s", "index_release_s",
           "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")

@@ -420,7 +420,7 @@ def fidelity_runs_table(path: Path) -> str:
         cells = [f"{c[k]['correct']}/{c[k]['n']}" if (k := f"{t}@{n}") in c else "-" for t in tasks]
         rows.append((run["method"], run["budget"] or "dense", run["device"].replace("NVIDIA ", ""), run["commit"],
                      "on" if run["cuda_graph"] else "off", *cells, total_with_interval(c),
-                     f"{run['kv_read']:.1%}"))
+                     f"{run['kv_read']:.1%}" + (f" (keys of {run['keys_scored']:.1%} scored)" if "keys_scored" in run else "")))
     return md_table(f"Fidelity on the GPU, {r['model']}, real weights, {n} tokens (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read"], rows)
 

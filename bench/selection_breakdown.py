@@ -2,13 +2,14 @@
 and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
-        [--shared] [--sizes 1 2] [--expands 16 8]
+        [--shared] [--sizes 1 2] [--expands 16 8] [--reranks 1 2]
 
 ``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
 selection and emission run for those only, the attention for all 8. ``--sizes``: chunks per fine cluster (config
 ``fine_cluster_size``; 1 is the default, 2 the default up to fa847f7). ``--expands``: config ``coarse_expand``
 (coarse units are expanded until they hold this many times the budget; the fine bounds are computed for their
-clusters only).
+clusters only). ``--reranks``: config ``rerank_factor`` (the cut and emission pick that many times the budget as
+candidates; ``rerank_ms`` scores their keys and keeps the budget's best, which the attention then reads).
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import json
 import torch
 
 from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
+from sgl_sparsekv.kernels import rerank as kr
 from sgl_sparsekv.kernels import select as ks
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
-              retrieving: int = H, shared: bool = False, fine_cluster_size: float = FINE, expand: float = 16.0) -> dict:
+              retrieving: int = H, shared: bool = False, fine_cluster_size: float = FINE, expand: float = 16.0,
+              rerank: int = 1) -> dict:
     c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size)
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     lstarts, ws = c["list_starts"], c["workspace"]
+    keep = budget - sink - recent
+    cap_c = budget + (rerank - 1) * keep    # emission's candidate lists (the budget's own without a rerank)
+    rem = rem * rerank
     cmu, cr, ctok = coarse
     fmu, fr, ftok, fpar = fine
     bnd, sel = c["scratch"]
@@ -37,8 +43,11 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     R, st = retrieving, ranges.stride(0)
     expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device="cuda")
     out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
-           torch.empty(bs * H * budget, dtype=torch.int32, device="cuda"),
+           torch.empty(bs * H * cap_c, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
+    lists = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
+             torch.empty(bs * H * budget, dtype=torch.int32, device="cuda")) if rerank > 1 else out[:2]
+    rerank_space = kr.workspace_for(bs, H, HQ // H, cap_c, 8, "cuda")
 
     def coarse_pick():
         ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, expand, 0.25,
@@ -55,25 +64,31 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
                                   num_warps=8)
 
     def emit():
-        return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget,
+        return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, cap_c,
                               dense_limit=budget, parts=parts, out=out, heads=heads)
 
+    def rerank_step():
+        return kr.rerank_tokens(q, k, out[:2], seq, D ** -0.5, sink, recent, keep, budget, budget, lists,
+                                rerank_space, 8, heads)
+
     def attend():
-        return sparse_decode_attention(q, k, k, lstarts, out[1], D ** -0.5, workspace=ws, lens=out[0])
+        return sparse_decode_attention(q, k, k, lstarts, lists[1], D ** -0.5, workspace=ws, lens=lists[0])
 
     # the layer before, where every head retrieved: the lists that sparse heads keep
     ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, expand, parts=parts, out=c["scratch"]), chunks,
-                   ranges, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget, parts=parts, out=out)
-    coarse_pick(); fine_bounds(); cut(); emit(); attend()
+                   ranges, rows, seq, req_to_token, sink, recent, cap_c, dense_limit=budget, parts=parts, out=out)
+    phases = [("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
+              *([("rerank", rerank_step)] if rerank > 1 else []), ("attend", attend)]
+    for _, f in phases:
+        f()
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
     return {"ctx": ctx, "bs": bs, "fine_cluster_size": fine_cluster_size, "coarse_expand": expand,
-            "retrieving_heads": R, "shared_prefix": shared, "fine_clusters": int(L.sum()) // bs,
+            "retrieving_heads": R, "shared_prefix": shared, "rerank_factor": rerank, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
-            **{f"{n}_ms": round(graph_bench(f), 4) for n, f in
-               (("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
-                ("attend", attend))}}
+            "candidates_per_list": int(out[0][:bs * H].float().mean()), "attended_per_list": int(lists[0][:bs * H].float().mean()),
+            **{f"{n}_ms": round(graph_bench(f), 4) for n, f in phases}}
 
 
 def main():
@@ -86,12 +101,13 @@ def main():
                     help="also the batch over one shared prefix (one shared segment, 256 tokens of each request's own)")
     ap.add_argument("--sizes", type=float, nargs="+", default=[FINE], help="fine_cluster_size values")
     ap.add_argument("--expands", type=float, nargs="+", default=[16.0], help="coarse_expand values")
+    ap.add_argument("--reranks", type=int, nargs="+", default=[1], help="rerank_factor values")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r, sh, size, ex in ((c, b, r, sh, z, e) for c in a.contexts for b in a.batches for r in a.retrieving
-                                     for sh in ((False, True) if a.shared else (False,)) for z in a.sizes
-                                     for e in a.expands):
-        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size, expand=ex))
+    for ctx, bs, r, sh, size, ex, f in ((c, b, r, sh, z, e, f) for c in a.contexts for b in a.batches
+                                        for r in a.retrieving for sh in ((False, True) if a.shared else (False,))
+                                        for z in a.sizes for e in a.expands for f in a.reranks):
+        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size, expand=ex, rerank=f))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

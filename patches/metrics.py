@@ -30,6 +30,7 @@ COUNTERS = {
                           "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
                           "through ForwardBatch.init_new)."),
     "attended_tokens": ("attended_tokens", "KV tokens read by decode."),
+    "scored_tokens": ("scored_tokens", "KV tokens whose keys the two-stage selection scored (rerank_factor > 1)."),
     "context_tokens": ("context_tokens", "KV tokens a dense decode would have read."),
     "live_requests": ("live_requests", "Requests holding sparse-kv state."),
     "live_units": ("live_units", "Retrieval units alive in the unit store."),

@@ -4,7 +4,9 @@ Before each step (eager, outside the graph) ``prepare`` runs the manager's poole
 writes every batch row's pool ranges (its shared and own segments, ``kernels.select.RANGE_FIELDS``) and its
 rows of the step's selection scratch into fixed ``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
-shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With hybrid heads
+shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With ``rerank_factor`` f > 1
+the cut and emission pick f times the budget's retrieved tokens as candidates and ``rerank_tokens`` keeps the
+budget's best of them by the group's attention before the attention runs. With hybrid heads
 (config ``head_roles``) a layer selects and emits only for its retrieval heads; a sparse head's list is the one
 its KV head used in the layer before, left in place in ``windows``, and a layer without retrieval heads launches
 no selection at all. A request past its budget whose index found no room in the pools (or in the step's
@@ -21,6 +23,7 @@ import numpy as np
 import torch
 
 from sgl_sparsekv import head_roles
+from sgl_sparsekv.kernels import rerank
 from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, emit_tokens_ref, scratch, select_fine,
                                          select_fine_ref)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
@@ -31,6 +34,7 @@ SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
+RERANK_PARTS = 8  # programs per candidate list scoring its keys
 NR = len(RANGE_FIELDS)
 UNPLACED = [0] * NR                        # the ranges of a request without an index in the pools
 PADDING_ROW = UNPLACED + [0, 1, 0, 0]      # a batch row past the requests: one token of request row 0
@@ -46,6 +50,8 @@ class PooledDecode:
         dev = manager.device
         H, d = pools.heads, pools.head_dim
         self.H, self.cap = H, cfg.token_budget
+        self.retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window   # tokens retrieved past both
+        f = cfg.rerank_factor
         self.max_bs = max_bs
 
         def i32(n):
@@ -64,6 +70,12 @@ class PooledDecode:
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
         self.select, self.emit = ops
+        # two-stage selection: emission's candidate lists, ``cap_c`` entries each, and the rerank's scratch
+        self.cap_c = cfg.token_budget + (f - 1) * self.retrieve
+        if f > 1:
+            self.candidates = (i32(max_bs * H), i32(max_bs * H * self.cap_c))
+            self.rerank = rerank.rerank_tokens if manager.use_kernels else rerank.rerank_tokens_ref
+            self.rerank_space = rerank.workspace_for(max_bs, H, q_heads // H, self.cap_c, RERANK_PARTS, dev)
         shard = manager.kv_shard
         roles = head_roles.resolve(cfg.head_roles, manager.num_layers, shard.total, cfg.dense_layers, heads=shard.heads)
         every = all_heads(H, dev)
@@ -86,9 +98,9 @@ class PooledDecode:
         m, cfg = self.manager, self.cfg
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
-        retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+        retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
         table = []   # per batch row: RANGE_FIELDS, request row, length, budget, dense fallback
-        so, room, direct_rows, attended = 0, self.scratch[0].shape[1], 0, 0
+        so, room, direct_rows, attended, scored = 0, self.scratch[0].shape[1], 0, 0, 0
         for row, S, segs in zip(rows, seq_lens, segments):
             need = sum(seg.L for seg in segs)
             placed = bool(segs) and so + need <= room
@@ -105,10 +117,12 @@ class PooledDecode:
             table.append(ranges + [row, S, retrieve, direct])
             direct_rows += direct
             attended += S if direct else min(S, cfg.token_budget)
+            scored += 0 if direct or cfg.rerank_factor == 1 or S <= cfg.token_budget else min(S, self.cap_c)
         table += [PADDING_ROW] * (padded_bs - len(rows))
         table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + 4)
         m.stats["context_tokens"] += sum(seq_lens)
         m.stats["attended_tokens"] += attended
+        m.stats["scored_tokens"] += scored
         m.stats["dense_fallback_steps"] += direct_rows
         if DEBUG:
             check_table(table.T, len(rows), m.pools.capacity, room, req_to_token.shape)
@@ -139,10 +153,15 @@ class PooledDecode:
             qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
             sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
                               self.parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
+            reranked = cfg.rerank_factor > 1
+            cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
             self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
-                      cfg.sink_tokens, cfg.recent_window, self.cap, dense_limit=cfg.token_budget,
+                      cfg.sink_tokens, cfg.recent_window, self.cap_c, dense_limit=cfg.token_budget,
                       max_chunk=cfg.chunk_max, parts=self.parts, heads=heads,
-                      out=(lens, windows, self.counts[:n * self.parts]))
+                      out=(*cand, self.counts[:n * self.parts]))
+            if reranked:
+                self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
+                            self.cap, cfg.token_budget, (lens, windows), self.rerank_space, RERANK_PARTS, heads)
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts[:n], windows, scale, lens=lens,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METHODS = ("off", "lychee", "quest")
+# a candidate list is scored in one program's registers: up to this many times the budget
+MAX_RERANK = 8
 _TYPES = {"int": int, "float": (int, float), "str": str}
 
 
@@ -60,13 +62,18 @@ class SparseKVConfig:
     # Hybrid heads (LycheeDecode): "all-retrieval", "staggered-<share>", or a role map (sgl_sparsekv/head_roles.py)
     # naming the KV heads that select their own tokens; the others reuse the previous layer's selection.
     head_roles: str = "all-retrieval"
+    # Two-stage selection: the cut picks rerank_factor x the budget past the sink and the recent window as candidate
+    # tokens, whose keys are scored exactly; the budget's best of them by the query group's attention are attended.
+    # Values read stay the budget's, keys read grow by the factor. 1: off.
+    rerank_factor: int = 1
     # --- quest ---
     page_size: int = 16
 
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles"),
+                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles",
+                   "rerank_factor"),
         "quest": ("page_size",),
     }
 
@@ -106,6 +113,9 @@ class SparseKVConfig:
             raise ConfigError(f"sparse-kv config: key 'gqa_reduce' must be 'max' or 'mean', got {self.gqa_reduce!r}")
         if self.coarse_expand < 1:
             raise ConfigError(f"sparse-kv config: key 'coarse_expand' must be >= 1, got {self.coarse_expand}")
+        if not 1 <= self.rerank_factor <= MAX_RERANK:
+            raise ConfigError(f"sparse-kv config: key 'rerank_factor' must be in [1, {MAX_RERANK}], got "
+                              f"{self.rerank_factor}")
         if not 0 <= self.radius_weight <= 1:
             raise ConfigError(f"sparse-kv config: key 'radius_weight' must be in [0, 1], got {self.radius_weight}")
         if self.method == "lychee":

@@ -282,15 +282,16 @@ def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("no_sync,roles", [(False, "all-retrieval"), (True, "all-retrieval"),
-                                           (False, "staggered-0.5")])
-def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, monkeypatch):
+@pytest.mark.parametrize("no_sync,roles,rerank", [(False, "all-retrieval", 1), (True, "all-retrieval", 1),
+                                                  (False, "staggered-0.5", 1), (True, "staggered-0.5", 2)])
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) equals the same orchestration run with
     the kernels' torch twins (same index builds, twin grafts, selection, emission and attention).
     ``no_sync``: every decode step's host work runs with CUDA's sync check set to raise (debug checks off, as
     in serving): cutting, summarizing and grafting units never waits for the GPU. ``roles``: hybrid heads, whose
-    sparse heads' lists must survive from one captured layer to the next."""
+    sparse heads' lists must survive from one captured layer to the next. ``rerank``: the two-stage selection's
+    factor (its candidates' keys scored in the graph too)."""
     from sgl_sparsekv.config import SparseKVConfig
 
     if no_sync:
@@ -299,7 +300,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, monkeyp
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
-                                                "head_roles": roles})
+                                                "head_roles": roles, "rerank_factor": rerank})
     lens = [20_000, 9_000, 31_000]
     slots = sum(lens) + 4096
     gen = torch.Generator(device=dev).manual_seed(0)
