@@ -281,19 +281,22 @@ def hybrid_serving_table(path: Path) -> str:
 
 def hybrid_breakdown_table(path: Path) -> str:
     r = json.loads(path.read_text())
+    parts = ["coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms"]
+    if any("rerank_ms" in x for run in r["runs"] for x in run["rows"]):
+        parts.append("rerank_ms")   # the two-stage selection (config rerank_factor)
     rows = []
     for run in r["runs"]:
         for x in run["rows"]:
-            sel = x["coarse_ms"] + x["fine_bounds_ms"] + x["cut_ms"] + x["emit_ms"]
             rows.append((run["device"].replace("NVIDIA ", "") + (f", {run['label']}" if run.get("label") else ""),
                          x["bs"], x.get("fine_cluster_size", 2.0), x.get("coarse_expand", 16.0), x["live_fine_per_head"],
-                         f"{x['retrieving_heads']} of 8" + (", shared prefix" if x.get("shared_prefix") else ""),
-                         *(f"{x[k]:.4f}" for k in ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")),
-                         f"{sel:.3f}", f"{x['attend_ms']:.3f}"))
+                         f"{x['retrieving_heads']} of 8" + (", shared prefix" if x.get("shared_prefix") else "")
+                         + (f", rerank {x['rerank_factor']}" if x.get("rerank_factor", 1) > 1 else ""),
+                         *(f"{x.get(k, 0):.4f}" for k in parts),
+                         f"{sum(x.get(k, 0) for k in parts):.3f}", f"{x['attend_ms']:.3f}"))
     return md_table(f"A sparse layer's GPU time, part by part: {r['what']}; commit {r['commit']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["card", "batch", "chunks per fine cluster", "coarse expand", "live fine clusters per head",
-                     "retrieving heads", "coarse", "fine bounds", "cut", "emit",
+                     "retrieving heads", "coarse", "fine bounds", "cut", "emit", *(["rerank"] if len(parts) > 4 else []),
                      "selection + lists", "attention"], rows)
 
 
@@ -508,6 +511,7 @@ def main():
                      ("gpu_serving_h100_random.json", serving_table),
                      ("fine_bounds_variants.json", fine_bounds_variants_table),
                      ("gpu_serving_h100_default.json", serving_table),
+                     ("selection_breakdown_rerank.json", hybrid_breakdown_table),
                      ("selection_breakdown_fine1.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", bounds_kernel_table),
