@@ -97,9 +97,10 @@ def test_off_is_plain_sglang(reference):
     assert len(reference["fork_answers"]) == 3
 
 
-# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve)
+# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
+# two-stage selection (its retrieval heads score twice the budget's candidates)
 SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
-          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5"})}
+          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2})}
 
 
 @pytest.fixture(scope="module", params=list(SPARSE))
@@ -109,6 +110,7 @@ def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
                 extra=["--max-total-tokens", "65536", "--enable-metrics"]) as srv:
         out = run_suite(srv, smollm2_tokenizer)
         out["head_roles"] = extra_cfg.get("head_roles", "all-retrieval")
+        out["rerank_factor"] = extra_cfg.get("rerank_factor", 1)
         yield method, srv, out
 
 
@@ -119,6 +121,7 @@ def test_config_reached_scheduler(sparse):
     assert state["sparse_kv_config"]["token_budget"] == 256 and state["sparse_kv_config"]["method"] == method
     if method == "lychee":
         assert state["sparse_kv_config"]["head_roles"] == out["head_roles"]
+        assert state["sparse_kv_config"]["rerank_factor"] == out["rerank_factor"]
     assert "sparse_kv_stats" in state
 
 
@@ -136,6 +139,9 @@ def test_long_prompt_decodes_sparsely(sparse):
     assert context >= steps * S
     assert attended <= BUDGET["token_budget"] * context / S
     assert attended < 0.15 * context
+    # the two-stage selection scores the keys of up to rerank_factor x the budget per list and attends the budget
+    scored = after["scored_tokens"] - before["scored_tokens"]
+    assert (scored > attended) if out["rerank_factor"] > 1 else scored == 0
     if method == "lychee":
         assert after["index_builds"] + after["index_reused"] > before["index_builds"] + before["index_reused"]
 
