@@ -64,15 +64,17 @@ def digest(text: str) -> str:
 
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
-        gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1) -> dict:
-    """Score every (method, budget); ``save(res)`` is called after each, so a long run keeps what it finished.
+        gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
+        first: int = 0) -> dict:
+    """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task; ``save(res)``
+    is called after each, so a long run keeps what it finished.
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
     ``tp_size``: tensor parallelism on the GPU. Each answer's digest is kept, so two runs of the same samples
     (say TP 1 and TP 2) can be compared answer by answer."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    data = {t: {n: [make(t, tok, n, s) for s in range(samples)] for n in lengths} for t in tasks}
+    data = {t: {n: [make(t, tok, n, s) for s in range(first, first + samples)] for n in lengths} for t in tasks}
     if gpu_backend:
         import torch
 
@@ -81,8 +83,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         device, server = f"CPU ({platform.machine()})", CPU_SERVER
     server = server + ["--context-length", str(CONTEXT.get(model, 8192))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
-    res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "budgets": budgets,
-           "tasks": list(tasks), "server_args": server, "runs": []}
+    res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "first_seed": first,
+           "budgets": budgets, "tasks": list(tasks), "server_args": server, "runs": []}
     for name in methods:
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
@@ -104,7 +106,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                         scores[f"{t}@{n}"] = k / len(done)
                         # the failed seeds let two methods be compared sample by sample
                         counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
-                                              "failed": [i for i, ok in enumerate(done) if not ok],
+                                              "failed": [first + i for i, ok in enumerate(done) if not ok],
                                               "digests": [digest(text) for text in texts]}
                 stats = srv.stats()
             kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
@@ -112,15 +114,37 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                     **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                        if stats.get("scored_tokens") else {}),
                     "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and not eager}
-            for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
-                vals = [v for k, v in scores.items() if k.split("@")[0] in names]
-                if vals:
-                    run_[group] = sum(vals) / len(vals)
-            res["runs"].append(run_)
+            res["runs"].append(summarize(run_))
             print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
             if save:
                 save(res)
     return res
+
+
+def summarize(run_: dict) -> dict:
+    """``run_`` with its task groups' mean scores (ruler, structured, passkey)."""
+    for group, names in (("ruler", RULER), ("structured", STRUCTURED), ("passkey", ("passkey",))):
+        vals = [v for k, v in run_["scores"].items() if k.split("@")[0] in names]
+        if vals:
+            run_[group] = sum(vals) / len(vals)
+    return run_
+
+
+def extend(a: dict, b: dict) -> dict:
+    """One run of a (method, budget) from two runs of it over consecutive seeds (``b``'s first seed is where ``a``'s
+    samples end): counts, failed seeds and digests joined per cell, scores and intervals recomputed."""
+    assert run_key(a) == run_key(b) and a["counts"].keys() == b["counts"].keys(), (run_key(a), run_key(b))
+    counts = {}
+    for cell, x in a["counts"].items():
+        y = b["counts"][cell]
+        k, n = x["correct"] + y["correct"], x["n"] + y["n"]
+        counts[cell] = {"correct": k, "n": n, "ci95": wilson(k, n), "failed": x["failed"] + y["failed"],
+                        "digests": x["digests"] + y["digests"]}
+    scores = {cell: c["correct"] / c["n"] for cell, c in counts.items()}
+    na, nb = (next(iter(r["counts"].values()))["n"] for r in (a, b))   # samples per cell
+    kv = (a["kv_read"] * na + b["kv_read"] * nb) / (na + nb)
+    return summarize({**a, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
+                      "seconds": round(a["seconds"] + b["seconds"], 1), "samples": na + nb})
 
 
 def shared(counts_a: dict, counts_b: dict) -> dict:
@@ -208,6 +232,7 @@ def main():
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
     ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 2K tokens, 3 tasks")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
@@ -246,7 +271,7 @@ def main():
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
-              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size)
+              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first)
     if a.plot:
         plot(res, a.plot)
 

@@ -95,3 +95,27 @@ def test_task_prompts_hold_their_length(smollm2_tokenizer, n):
     for task in STRUCTURED:
         got = len(words.encode(make(task, words, n, 0).prompt))
         assert 0.9 * n <= got <= 1.1 * n, ("words", task, n, got)
+
+
+def test_extend_joins_two_runs_over_consecutive_seeds():
+    from bench.fidelity import extend
+
+    def run(ok, failed, digests, kv, seconds):
+        return {"method": "lychee", "budget": 1024, "kv_read": kv, "seconds": seconds, "scores": {},
+                "counts": {"passkey@30000": {"correct": ok, "n": len(digests), "ci95": [0, 1], "failed": failed,
+                                             "digests": digests},
+                           "json_value@30000": {"correct": 0, "n": len(digests), "ci95": [0, 1],
+                                                "failed": list(range(failed[0] if failed else 0, len(digests))),
+                                                "digests": digests}}}
+
+    a = run(1, [1], ["a", "b"], 0.03, 10.0)               # seeds 0, 1
+    b = run(3, [], ["c", "d", "e"], 0.04, 20.0)           # seeds 2, 3, 4
+    got = extend(a, b)
+    cell = got["counts"]["passkey@30000"]
+    assert (cell["correct"], cell["n"], cell["failed"], cell["digests"]) == (4, 5, [1], ["a", "b", "c", "d", "e"])
+    assert cell["ci95"] == pytest.approx([0.3755, 0.9638], abs=1e-4)
+    assert got["scores"] == {"passkey@30000": 0.8, "json_value@30000": 0.0}
+    assert got["passkey"] == 0.8 and got["structured"] == 0.0
+    assert got["samples"] == 5 and got["seconds"] == 30.0 and got["kv_read"] == pytest.approx(0.036)
+    with pytest.raises(AssertionError):
+        extend(a, {**b, "method": "off"})
