@@ -321,6 +321,23 @@ def fine_bounds_variants_table(path: Path) -> str:
                     rows)
 
 
+def grouped_bounds_table(path: Path) -> str:
+    """Main's fine-bounds kernel against the tiled one of branch fine-tiles: per call (kernel state), batch and
+    prefix sharing, main's time and the tiled kernel's best setting."""
+    r = json.loads(path.read_text())
+    rows = []
+    for i, run in enumerate(r["runs"], 1):
+        for x in run["rows"]:
+            best = min((k for k in x if k.endswith("_ms") and k != "old_ms"), key=x.get)
+            rows.append((i, x["bs"], "yes" if x["shared"] else "no", f"{x['old_ms']:.4f}", f"{x[best]:.4f}",
+                         best[:-3], "yes" if x["sel_equal"] else f"no ({x['sel_diff_cols']} picks)"))
+    variants = "; ".join(f"call {i}: {run['variant']}" for i, run in enumerate(r["runs"], 1))
+    return md_table(f"Fine bounds, main against tiles shared by the rows reading them, {r['runs'][0]['device']}: "
+                    f"{r['what']}. {variants} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["call", "batch", "shared prefix", "main ms", "tiled ms (best)", "best setting", "picks equal"],
+                    rows)
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -509,6 +526,7 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_staged.json", serving_table),
                      ("gpu_serving_h100_random.json", serving_table),
+                     ("fine_bounds_grouped.json", grouped_bounds_table),
                      ("fine_bounds_variants.json", fine_bounds_variants_table),
                      ("gpu_serving_h100_default.json", serving_table),
                      ("selection_breakdown_rerank.json", hybrid_breakdown_table),
