@@ -147,6 +147,23 @@ def extend(a: dict, b: dict) -> dict:
                       "seconds": round(a["seconds"] + b["seconds"], 1), "samples": na + nb})
 
 
+def paired(dense: dict, counts: dict) -> tuple[int, int]:
+    """Sample by sample over the cells both runs scored with the same seeds: (answers dense got right and the run
+    got wrong, answers the run got right and dense got wrong)."""
+    lost = gained = 0
+    for cell in dense.keys() & counts.keys():
+        if dense[cell]["n"] == counts[cell]["n"]:
+            d, c = set(dense[cell]["failed"]), set(counts[cell]["failed"])
+            lost, gained = lost + len(c - d), gained + len(d - c)
+    return lost, gained
+
+
+def sign_test(lost: int, gained: int) -> float:
+    """Two-sided exact sign test (McNemar's) of ``lost`` against ``gained`` discordant samples."""
+    n, k = lost + gained, min(lost, gained)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+
+
 def shared(counts_a: dict, counts_b: dict) -> dict:
     """How many samples two runs' counts (cell -> digests) both answered with the same text."""
     same = total = 0

@@ -119,3 +119,18 @@ def test_extend_joins_two_runs_over_consecutive_seeds():
     assert got["samples"] == 5 and got["seconds"] == 30.0 and got["kv_read"] == pytest.approx(0.036)
     with pytest.raises(AssertionError):
         extend(a, {**b, "method": "off"})
+
+
+def test_paired_counts_and_sign_test():
+    from bench.fidelity import paired, sign_test
+
+    def cell(failed, n=5):
+        return {"correct": n - len(failed), "n": n, "failed": failed}
+
+    dense = {"a@1": cell([0, 1]), "b@1": cell([4]), "c@1": cell([0], n=3)}
+    run = {"a@1": cell([1, 2, 3]), "b@1": cell([]), "c@1": cell([1, 2])}   # c: other samples, not compared
+    assert paired(dense, run) == (2, 2)       # a: lost seeds 2, 3, gained 0; b: gained 4; c: other seeds
+    assert sign_test(2, 2) == 1.0 and sign_test(0, 0) == 1.0
+    assert sign_test(5, 0) == pytest.approx(0.0625)
+    assert sign_test(29, 13) == pytest.approx(0.01952, abs=1e-5)
+    assert sign_test(29, 13) == sign_test(13, 29)
