@@ -429,7 +429,7 @@ def fidelity_table(path: Path) -> str:
 def fidelity_runs_table(path: Path) -> str:
     """Runs of one length, each with its own card, commit and sample count: correct/n per task, the total with its
     95% Wilson interval."""
-    from bench.fidelity import paired, sign_test, total_with_interval
+    from bench.fidelity import total_with_interval
 
     r = json.loads(path.read_text())
     tasks = list(dict.fromkeys(t for run in r["runs"] for t in run["tasks"]))
@@ -441,7 +441,7 @@ def fidelity_runs_table(path: Path) -> str:
         rows.append((run["method"], run["budget"] or "dense", run["device"].replace("NVIDIA ", ""), run["commit"],
                      "on" if run["cuda_graph"] else "off", *cells, total_with_interval(c),
                      f"{run['kv_read']:.1%}" + (f" (keys of {run['keys_scored']:.1%} scored)" if "keys_scored" in run else ""),
-                     against_dense(run, r["runs"], paired, sign_test)))
+                     against_dense(run, r["runs"])))
     return md_table(f"Fidelity on the GPU, {r['model']}, real weights, {n} tokens; against dense: the answers lost / "
                     f"gained sample by sample against the latest dense run over the same seeds, with the exact sign "
                     f"test's p (`{path.relative_to(RESULTS.parent.parent)}`)",
@@ -449,11 +449,15 @@ def fidelity_runs_table(path: Path) -> str:
                      "against dense"], rows)
 
 
-def against_dense(run: dict, runs: list, paired, sign_test) -> str:
+def against_dense(run: dict, runs: list) -> str:
     """``lost / gained (p)`` against the latest dense run whose cells hold the same samples, or "-"."""
-    same = [d for d in runs if d["method"] == "off" and d is not run and d["counts"].keys() == run["counts"].keys()
+    from bench.fidelity import paired, sign_test
+
+    if run["method"] == "off":
+        return "-"
+    same = [d for d in runs if d["method"] == "off" and d["counts"].keys() == run["counts"].keys()
             and all(d["counts"][k]["n"] == v["n"] for k, v in run["counts"].items())]
-    if run["method"] == "off" or not same:
+    if not same:
         return "-"
     lost, gained = paired(same[-1]["counts"], run["counts"])
     return f"{lost} / {gained} (p {sign_test(lost, gained):.2f})"
