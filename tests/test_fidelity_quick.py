@@ -100,19 +100,20 @@ def test_task_prompts_hold_their_length(smollm2_tokenizer, n):
 def test_extend_joins_two_runs_over_consecutive_seeds():
     from bench.fidelity import extend
 
-    def run(ok, failed, digests, kv, seconds):
+    def run(seeds, failed, digests, kv, seconds):
+        """Passkey right but for ``failed``, JSON value wrong on every seed."""
         return {"method": "lychee", "budget": 1024, "kv_read": kv, "seconds": seconds, "scores": {},
-                "counts": {"passkey@30000": {"correct": ok, "n": len(digests), "ci95": [0, 1], "failed": failed,
-                                             "digests": digests},
-                           "json_value@30000": {"correct": 0, "n": len(digests), "ci95": [0, 1],
-                                                "failed": list(range(failed[0] if failed else 0, len(digests))),
+                "counts": {"passkey@30000": {"correct": len(seeds) - len(failed), "n": len(seeds), "ci95": [0, 1],
+                                             "failed": failed, "digests": digests},
+                           "json_value@30000": {"correct": 0, "n": len(seeds), "ci95": [0, 1], "failed": list(seeds),
                                                 "digests": digests}}}
 
-    a = run(1, [1], ["a", "b"], 0.03, 10.0)               # seeds 0, 1
-    b = run(3, [], ["c", "d", "e"], 0.04, 20.0)           # seeds 2, 3, 4
+    a = run(range(0, 2), [1], ["a", "b"], 0.03, 10.0)
+    b = run(range(2, 5), [], ["c", "d", "e"], 0.04, 20.0)
     got = extend(a, b)
     cell = got["counts"]["passkey@30000"]
     assert (cell["correct"], cell["n"], cell["failed"], cell["digests"]) == (4, 5, [1], ["a", "b", "c", "d", "e"])
+    assert got["counts"]["json_value@30000"]["failed"] == [0, 1, 2, 3, 4]
     assert cell["ci95"] == pytest.approx([0.3755, 0.9638], abs=1e-4)
     assert got["scores"] == {"passkey@30000": 0.8, "json_value@30000": 0.0}
     assert got["passkey"] == 0.8 and got["structured"] == 0.0
