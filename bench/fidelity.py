@@ -39,6 +39,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
+           # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)
+           "lychee-rerank-2-expand-8": ("lychee", {"rerank_factor": 2, "coarse_expand": 8.0}),
            # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
            **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},

@@ -47,7 +47,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
     lists = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
              torch.empty(bs * H * budget, dtype=torch.int32, device="cuda")) if rerank > 1 else out[:2]
-    rerank_space = kr.workspace_for(bs, H, HQ // H, cap_c, 8, "cuda")
+    rerank_space = kr.workspace_for(bs, H, HQ // H, cap_c, "cuda")
 
     def coarse_pick():
         ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, expand, 0.25,
@@ -69,7 +69,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
 
     def rerank_step():
         return kr.rerank_tokens(q, k, out[:2], seq, D ** -0.5, sink, recent, keep, budget, budget, lists,
-                                rerank_space, 8, heads)
+                                rerank_space, heads)
 
     def attend():
         return sparse_decode_attention(q, k, k, lstarts, lists[1], D ** -0.5, workspace=ws, lens=lists[0])

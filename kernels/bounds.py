@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_sparsekv.kernels.sparse_decode import group_block
+
 
 @triton.jit
 def _bounds_kernel(Q, Mu, R, NNodes, UB, stride_qb, stride_qh, stride_mb, stride_mh, stride_mn,
@@ -53,7 +55,7 @@ def node_bounds(q: torch.Tensor, mu: torch.Tensor, r: torch.Tensor, n_nodes: tor
     ub = torch.empty(bs, H, N, dtype=torch.float32, device=q.device)
     grid = (bs * H, triton.cdiv(N, block_n))
     _bounds_kernel[grid](q, mu, r, n_nodes, ub, q.stride(0), q.stride(1), mu.stride(0), mu.stride(1), mu.stride(2),
-                         r.stride(0), r.stride(1), N, H=H, G=G, BLOCK_G=max(16, triton.next_power_of_2(G)),
+                         r.stride(0), r.stride(1), N, H=H, G=G, BLOCK_G=group_block(G),
                          D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n)
     return ub
 

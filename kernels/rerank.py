@@ -4,7 +4,7 @@ With ``rerank_factor`` f > 1 the cut and emission pick f times the budget past t
 candidate list per (request, KV head) in a window of ``cap_c`` entries, laid out ``[sink | chunk tokens | recent]``
 as ``emit_tokens`` writes it. Then, per sparse layer:
 
-- ``_score_kernel`` (``parts`` programs per list) reads the candidates' keys once and writes the logits of the
+- ``_score_kernel`` (``parts_for`` programs per list: more where the batch has few lists) reads the candidates' keys once and writes the logits of the
   group's query heads and each part's softmax statistics (running max and sum, as in flash decoding);
 - ``_keep_kernel`` (one program per list) scores each candidate by the group's attention over the candidates (the
   sum over query heads of softmax probabilities, so every head's distribution counts alike), keeps the sink, the
@@ -12,8 +12,9 @@ as ``emit_tokens`` writes it. Then, per sparse layer:
   order, into the attention's windows of ``cap`` entries.
 
 The threshold is the ``keep``-th largest score, found without sorting: scores are non-negative floats, whose bit
-patterns order as integers, and a radix search fixes four bits of it per pass (eight passes of sixteen counts).
-Values are read only for the kept tokens, by the attention. No host read, static shapes: graph-safe.
+patterns order as integers, and a radix search fixes eight bits of it per pass (four histograms of 256 bins over the
+keys that match the bits fixed so far). Values are read only for the kept tokens, by the attention. No host read,
+static shapes: graph-safe.
 """
 
 from __future__ import annotations
@@ -23,11 +24,7 @@ import triton
 import triton.language as tl
 
 from sgl_sparsekv.kernels.select import _program_head, all_heads
-
-
-def group_block(G: int) -> int:
-    """Query-head rows of a group as the kernels hold them (``tl.dot`` wants at least 16)."""
-    return max(16, triton.next_power_of_2(G))
+from sgl_sparsekv.kernels.sparse_decode import _group_query, _slot_tile, _split, group_block
 
 
 @triton.jit
@@ -38,25 +35,16 @@ def _score_kernel(Q, K, Cand, CandLens, Logits, Stats, Heads, R, sm_scale, strid
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
     lst = b * H + h
-    n = tl.load(CandLens + lst)
-    per = tl.cdiv(tl.cdiv(n, PARTS), BLOCK_N) * BLOCK_N
-    lo = part * per
-    hi = tl.minimum(n, lo + per)
+    lo, hi = _split(0, tl.load(CandLens + lst), part, PARTS, BLOCK_N)
+    q = _group_query(Q, b, h, stride_qb, stride_qh, G, BLOCK_G, D, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
     gmask = offs_g < G
-    dmask = offs_d < D
-    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     rows = Logits + (lst * G + offs_g)[:, None] * CAPC
     for blk in range(lo, hi, BLOCK_N):
         offs_n = blk + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        slot = tl.load(Cand + lst * CAPC + offs_n, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        _, valid, k = _slot_tile(Cand + lst * CAPC, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         tl.store(rows + offs_n[None, :], s, mask=gmask[:, None] & valid[None, :])
@@ -101,16 +89,22 @@ def _keep_kernel(Cand, CandLens, Logits, Stats, SeqLen, Out, Lens, Heads, R, den
         lse_g = tl.sum(tl.where(offs_g == g, lse, 0.0), 0)
         s = tl.load(Logits + (lst * G + g) * CAPC + offs, mask=middle, other=float("-inf"))
         score += tl.exp(s - lse_g)
-    # non-negative floats order as their bit patterns; entries outside the middle rank below every middle one
-    key = tl.where(middle, score.to(tl.int32, bitcast=True), -1)
+    # non-negative floats order as their bit patterns: the keep-th largest key, eight bits per pass
+    key = score.to(tl.int32, bitcast=True)
     need = mid_end - n_sink > keep
-    digits = tl.arange(0, 16)
+    bins = tl.arange(0, 256)
     prefix = 0
-    for p in tl.static_range(8):
-        t = prefix + (digits << (28 - 4 * p))
-        cnt = tl.sum((key[None, :] >= t[:, None]).to(tl.int32), 1)
-        cnt = tl.where(t >= 0, cnt, 0)   # past the sign bit: no key is that large
-        prefix += tl.max(tl.where(cnt >= keep, digits, 0), 0) << (28 - 4 * p)
+    left = keep          # keys still to take among those matching the bits fixed so far
+    match = middle
+    for p in tl.static_range(4):
+        digit = (key >> (24 - 8 * p)) & 0xFF
+        hist = tl.histogram(digit, 256, mask=match)
+        at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist   # matching keys whose digit is >= the bin's
+        d = tl.max(tl.where(at_least >= left, bins, 0), 0)
+        left -= tl.sum(tl.where(bins > d, hist, 0), 0)
+        prefix += d << (24 - 8 * p)
+        match = match & (digit == d)
+    key = tl.where(middle, key, -1)   # entries outside the middle rank below every middle one
     above = key > prefix
     tie = key == prefix
     tie_rank = tl.cumsum(tie.to(tl.int32), 0)
@@ -122,14 +116,25 @@ def _keep_kernel(Cand, CandLens, Logits, Stats, SeqLen, Out, Lens, Heads, R, den
     tl.store(Lens + lst, tl.minimum(tl.sum(kept.to(tl.int32), 0), CAP))
 
 
-def workspace_for(max_bs: int, H: int, G: int, cap_c: int, parts: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+MAX_PARTS = 32
+SCORE_BLOCK = 64   # candidates per tile of the score kernel
+
+
+def parts_for(lists: int) -> int:
+    """Score programs per candidate list: with few lists (a small batch) more programs split each one. On an H200 at
+    Llama-3.1-8B's group shape, 32 parts scored 8 lists in 0.005 ms against 0.011 with 8; 128 lists take about
+    0.026 ms with 8 or 16 (``bench/results/rerank_kernels_h200.json``)."""
+    return max(8, min(MAX_PARTS, triton.next_power_of_2(max(1, 256 // max(1, lists)))))
+
+
+def workspace_for(max_bs: int, H: int, G: int, cap_c: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [max_bs * H * G * cap_c] and the parts' softmax statistics, fp32, allocated once."""
     return (torch.empty(max_bs * H * G * cap_c, dtype=torch.float32, device=device),
-            torch.empty(max_bs * H * parts * 2 * group_block(G), dtype=torch.float32, device=device))
+            torch.empty(max_bs * H * MAX_PARTS * 2 * group_block(G), dtype=torch.float32, device=device))
 
 
 def rerank_tokens(q, k_buffer, cand, seq_lens, sm_scale: float, sink: int, recent: int, keep: int, cap: int,
-                  dense_limit: int, out, workspace, parts: int = 8, heads: torch.Tensor | None = None):
+                  dense_limit: int, out, workspace, heads: torch.Tensor | None = None):
     """q [bs, Hq, d]; k_buffer [slots, H, d]; cand = (lens [>= bs*H] int32, windows [>= bs*H*cap_c] int32), the
     candidate lists; out = (lens, windows) of lists of at most ``cap`` entries, written for the KV heads ``heads``
     only (int32, default all). ``keep``: middle tokens kept per list past the sink and the recent window."""
@@ -140,11 +145,12 @@ def rerank_tokens(q, k_buffer, cand, seq_lens, sm_scale: float, sink: int, recen
     cap_c = cand_windows.numel() // cand_lens.numel()
     heads = all_heads(H, q.device) if heads is None else heads
     R = heads.numel()
+    parts = parts_for(bs * R)
     logits, stats = workspace
     bg = group_block(G)
     _score_kernel[(bs * R, parts)](q, k_buffer, cand_windows, cand_lens, logits, stats, heads, R, sm_scale, q.stride(0),
                                    q.stride(1), k_buffer.stride(0), k_buffer.stride(1), H=H, G=G, BLOCK_G=bg, D=D,
-                                   BLOCK_D=triton.next_power_of_2(D), CAPC=cap_c, BLOCK_N=32, PARTS=parts)
+                                   BLOCK_D=triton.next_power_of_2(D), CAPC=cap_c, BLOCK_N=SCORE_BLOCK, PARTS=parts)
     _keep_kernel[(bs * R,)](cand_windows, cand_lens, logits, stats, seq_lens, out[1], out[0], heads, R, dense_limit,
                             sink, recent, keep, H=H, G=G, BLOCK_G=bg, CAPC=cap_c, CAP=cap,
                             BLOCK=triton.next_power_of_2(cap_c), PARTS=parts, num_warps=8)
@@ -152,7 +158,7 @@ def rerank_tokens(q, k_buffer, cand, seq_lens, sm_scale: float, sink: int, recen
 
 
 def rerank_tokens_ref(q, k_buffer, cand, seq_lens, sm_scale: float, sink: int, recent: int, keep: int, cap: int,
-                      dense_limit: int, out, workspace=None, parts: int = 8, heads: torch.Tensor | None = None):
+                      dense_limit: int, out, workspace=None, heads: torch.Tensor | None = None):
     """Torch twin of :func:`rerank_tokens`, in fp32: a stable sort of the middle's scores, ties to the earlier entry."""
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]

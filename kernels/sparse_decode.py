@@ -24,6 +24,42 @@ import triton
 import triton.language as tl
 
 
+def group_block(G: int) -> int:
+    """Query-head rows of a group as the kernels hold them (``tl.dot`` wants at least 16)."""
+    return max(16, triton.next_power_of_2(G))
+
+
+@triton.jit
+def _split(start, end, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Entries [lo, hi) of ``[start, end)`` for split ``split`` of ``SPLITS``, in whole tiles of BLOCK_N."""
+    per = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per
+    return lo, tl.minimum(end, lo + per)
+
+
+@triton.jit
+def _group_query(Q, b, h, stride_qb, stride_qh, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """The query heads of KV head ``h``'s group, [BLOCK_G, BLOCK_D] (rows past G and columns past D are 0)."""
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                   mask=(offs_g < G)[:, None] & (offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _slot_tile(Src, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """List entries ``blk ..`` before ``hi``: (their KV slots, which are valid, the rows of buffer X they name)."""
+    offs_n = blk + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid = offs_n < hi
+    slot = tl.load(Src + offs_n, mask=valid, other=0).to(tl.int64)
+    x = tl.load(X + slot[:, None] * stride_xn + h * stride_xh + offs_d[None, :],
+                mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
+    return slot, valid, x
+
+
 @triton.jit
 def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
                     Direct, Rows, SeqLen, ReqToToken, stride_rt,
@@ -46,26 +82,17 @@ def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
             src = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_rt
             start = start * 0
             end = tl.load(SeqLen + b).to(tl.int64)
-    per = tl.cdiv(tl.cdiv(end - start, SPLITS), BLOCK_N) * BLOCK_N
-    lo = start + split * per
-    hi = tl.minimum(end, lo + per)
-
+    lo, hi = _split(start, end, split, SPLITS, BLOCK_N)
+    q = _group_query(Q, b, h, stride_qb, stride_qh, G, BLOCK_G, D, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    gmask = offs_g < G
     dmask = offs_d < D
-    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for blk in range(lo, hi, BLOCK_N):
-        offs_n = blk + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        slot = tl.load(src + offs_n, mask=valid, other=0).to(tl.int64)
-        k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + offs_d[None, :],
-                    mask=valid[:, None] & dmask[None, :], other=0.0)
+        slot, valid, k = _slot_tile(src, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D, BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -127,7 +154,7 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]
     G = Hq // H
-    BLOCK_G = max(16, triton.next_power_of_2(G))
+    BLOCK_G = group_block(G)
     BLOCK_D = triton.next_power_of_2(D)
     if out is None:
         out = torch.empty_like(q)
@@ -147,7 +174,7 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
 
 
 def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    BLOCK_G = max(16, triton.next_power_of_2(G))
+    BLOCK_G = group_block(G)
     BLOCK_D = triton.next_power_of_2(D)
     return (torch.empty(bs * H * num_splits * BLOCK_G * BLOCK_D, dtype=torch.float32, device=device),
             torch.empty(bs * H * num_splits * BLOCK_G, dtype=torch.float32, device=device))

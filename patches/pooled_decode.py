@@ -34,7 +34,6 @@ SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
-RERANK_PARTS = 8  # programs per candidate list scoring its keys
 NR = len(RANGE_FIELDS)
 UNPLACED = [0] * NR                        # the ranges of a request without an index in the pools
 PADDING_ROW = UNPLACED + [0, 1, 0, 0]      # a batch row past the requests: one token of request row 0
@@ -75,7 +74,7 @@ class PooledDecode:
         if f > 1:
             self.candidates = (i32(max_bs * H), i32(max_bs * H * self.cap_c))
             self.rerank = rerank.rerank_tokens if manager.use_kernels else rerank.rerank_tokens_ref
-            self.rerank_space = rerank.workspace_for(max_bs, H, q_heads // H, self.cap_c, RERANK_PARTS, dev)
+            self.rerank_space = rerank.workspace_for(max_bs, H, q_heads // H, self.cap_c, dev) if manager.use_kernels else None
         shard = manager.kv_shard
         roles = head_roles.resolve(cfg.head_roles, manager.num_layers, shard.total, cfg.dense_layers, heads=shard.heads)
         every = all_heads(H, dev)
@@ -161,7 +160,7 @@ class PooledDecode:
                       out=(*cand, self.counts[:n * self.parts]))
             if reranked:
                 self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
-                            self.cap, cfg.token_budget, (lens, windows), self.rerank_space, RERANK_PARTS, heads)
+                            self.cap, cfg.token_budget, (lens, windows), self.rerank_space, heads)
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts[:n], windows, scale, lens=lens,

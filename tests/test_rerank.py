@@ -51,16 +51,16 @@ def brute_force(q, k, cand, seq, scale, sink, recent, keep, dense_limit, b, h):
     return set(lst[:n_sink].tolist()) | set(lst[best].tolist()) | set(lst[n - n_rec:].tolist())
 
 
-def run_both(q, k, cand, seq, sink, recent, keep, cap, dense_limit, heads=None, parts=4):
+def run_both(q, k, cand, seq, sink, recent, keep, cap, dense_limit, heads=None):
     bs, H = q.shape[0], k.shape[1]
     cap_c = cand[1].numel() // cand[0].numel()
     outs = []
     for fn in (rerank_tokens, rerank_tokens_ref):
         out = (torch.full((bs * H,), -1, dtype=torch.int32, device=DEV),
                torch.full((bs * H * cap,), -1, dtype=torch.int32, device=DEV))
-        ws = workspace_for(bs, H, q.shape[1] // H, cap_c, parts, DEV)
+        ws = workspace_for(bs, H, q.shape[1] // H, cap_c, DEV)
         fn(q.to(DEV), k.to(DEV), tuple(x.to(DEV) for x in cand), seq.to(DEV), 0.125, sink, recent, keep, cap,
-           dense_limit, out, ws, parts, None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV))
+           dense_limit, out, ws, None if heads is None else torch.tensor(heads, dtype=torch.int32, device=DEV))
         outs.append(tuple(x.cpu() for x in out))
     return outs
 
@@ -169,6 +169,6 @@ def test_rerank_real_shapes(G, D, factor):
     S = [600 if b == 0 else 32768 for b in range(bs)]
     n_lists[0] = [600] * H
     q, k, cand, seq = candidate_batch(bs, H, G, D, S, n_lists, cap_c, gen, dtype=torch.bfloat16)
-    got, ref = run_both(q, k, cand, seq, sink, recent, keep, cap, dense_limit=1024, parts=8)
+    got, ref = run_both(q, k, cand, seq, sink, recent, keep, cap, dense_limit=1024)
     for a, b in zip(lists(got, bs, H, cap), lists(ref, bs, H, cap)):
         assert len(a) == len(b) and len(set(a) ^ set(b)) <= 4
