@@ -37,6 +37,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
            # half the coarse expansion: fine bounds for about half the clusters at 32K (selection_breakdown_expand)
            "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
+           # twice the coarse expansion, no rerank: the coarse units that lychee-rerank-2 expands at 32K
+           "lychee-expand-32": ("lychee", {"coarse_expand": 32.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)

@@ -300,6 +300,16 @@ def hybrid_breakdown_table(path: Path) -> str:
                      "selection + lists", "attention"], rows)
 
 
+def rerank_kernels_table(path: Path) -> str:
+    """The two-stage selection's score and keep kernels per batch and programs per list."""
+    r = json.loads(path.read_text())
+    return md_table(f"The rerank's kernels, {r['device']}, commit {r['commit']}: {r['what']}; * marks the part count "
+                    f"`parts_for` picks (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["batch", "lists", "programs per list", "score ms", "keep ms"],
+                    [(x["bs"], x["lists"], f"{x['parts']}{' *' if x['parts_used'] else ''}", f"{x['score_ms']:.4f}",
+                      f"{x['keep_ms']:.4f}") for x in r["rows"]])
+
+
 def bounds_kernel_table(path: Path) -> str:
     """The fine-bounds kernel against an experimental variant, per launch setting, best first."""
     r = json.loads(path.read_text())["fine_bounds_fma_vs_dot"]
@@ -543,11 +553,13 @@ def main():
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_staged.json", serving_table),
+                     ("gpu_serving_h200_check.json", serving_table),
                      ("gpu_serving_h100_random.json", serving_table),
                      ("fine_bounds_grouped.json", grouped_bounds_table),
                      ("fine_bounds_variants.json", fine_bounds_variants_table),
                      ("gpu_serving_h100_default.json", serving_table),
                      ("selection_breakdown_rerank.json", hybrid_breakdown_table),
+                     ("rerank_kernels_h200.json", rerank_kernels_table),
                      ("selection_breakdown_fine1.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", bounds_kernel_table),
