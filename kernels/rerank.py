@@ -4,8 +4,9 @@ With ``rerank_factor`` f > 1 the cut and emission pick f times the budget past t
 candidate list per (request, KV head) in a window of ``cap_c`` entries, laid out ``[sink | chunk tokens | recent]``
 as ``emit_tokens`` writes it. Then, per sparse layer:
 
-- ``_score_kernel`` (``parts_for`` programs per list: more where the batch has few lists) reads the candidates' keys once and writes the logits of the
-  group's query heads and each part's softmax statistics (running max and sum, as in flash decoding);
+- ``_score_kernel`` (``parts_for`` programs per list: more where the batch has few lists) reads the candidates'
+  keys once and writes the logits of the group's query heads and each part's softmax statistics (running max and
+  sum, as in flash decoding);
 - ``_keep_kernel`` (one program per list) scores each candidate by the group's attention over the candidates (the
   sum over query heads of softmax probabilities, so every head's distribution counts alike), keeps the sink, the
   recent window and the ``keep`` best middle tokens (ties to the earlier entry), and writes them compacted, in list

@@ -74,7 +74,8 @@ class PooledDecode:
         if f > 1:
             self.candidates = (i32(max_bs * H), i32(max_bs * H * self.cap_c))
             self.rerank = rerank.rerank_tokens if manager.use_kernels else rerank.rerank_tokens_ref
-            self.rerank_space = rerank.workspace_for(max_bs, H, q_heads // H, self.cap_c, dev) if manager.use_kernels else None
+            self.rerank_space = (rerank.workspace_for(max_bs, H, q_heads // H, self.cap_c, dev)
+                                 if manager.use_kernels else None)
         shard = manager.kv_shard
         roles = head_roles.resolve(cfg.head_roles, manager.num_layers, shard.total, cfg.dense_layers, heads=shard.heads)
         every = all_heads(H, dev)
