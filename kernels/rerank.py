@@ -124,8 +124,8 @@ SCORE_BLOCK = 64   # candidates per tile of the score kernel
 def parts_for(lists: int) -> int:
     """Score programs per candidate list: with few lists (a small batch) more programs split each one. On an H200 at
     Llama-3.1-8B's group shape and budget 1024 (``bench/results/rerank_kernels_h200.json``), 32 parts score 8 lists
-    in 0.005 ms against 0.008 with 8, 16 parts score 32 lists in 0.0083 ms against 0.0103 with 8 and 0.0096 with 32;
-    128 lists take 0.026-0.028 ms with 8, 16 or 32 parts."""
+    in 0.0045 ms against 0.0082 with 8, 16 parts score 32 lists in 0.0079 ms against 0.0099 with 8 and 0.0093 with
+    32; 128 lists take 0.026-0.028 ms with 8, 16 or 32 parts."""
     return max(8, min(MAX_PARTS, triton.next_power_of_2(max(1, 512 // max(1, lists)))))
 
 
