@@ -33,6 +33,7 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspac
 
 HQ, H, D = 32, 8, 128
 FINE = SparseKVConfig().fine_cluster_size   # chunks per fine cluster of the default config (kernels_h200.json: 2)
+EXPAND = SparseKVConfig().coarse_expand   # coarse expansion of the default config
 HIDDEN, FFN = 4096, 14336
 
 
@@ -149,7 +150,7 @@ def fused_selection_ms(bs, ctx, budget, sink=16, recent=64):
     starts, ws = c["list_starts"], c["workspace"]
 
     def select():
-        sel = select_fine(q, coarse, fine, ranges, rem, 16.0, parts=32, out=c["scratch"])
+        sel = select_fine(q, coarse, fine, ranges, rem, EXPAND, parts=32, out=c["scratch"])
         return emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, budget, dense_limit=budget,
                            parts=32)
 

@@ -19,14 +19,14 @@ import json
 
 import torch
 
-from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
+from bench.bench_kernels import D, EXPAND, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import rerank as kr
 from sgl_sparsekv.kernels import select as ks
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 
 
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
-              retrieving: int = H, shared: bool = False, fine_cluster_size: float = FINE, expand: float = 16.0,
+              retrieving: int = H, shared: bool = False, fine_cluster_size: float = FINE, expand: float = EXPAND,
               rerank: int = 1) -> dict:
     c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size)
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
@@ -100,7 +100,7 @@ def main():
     ap.add_argument("--shared", action="store_true",
                     help="also the batch over one shared prefix (one shared segment, 256 tokens of each request's own)")
     ap.add_argument("--sizes", type=float, nargs="+", default=[FINE], help="fine_cluster_size values")
-    ap.add_argument("--expands", type=float, nargs="+", default=[16.0], help="coarse_expand values")
+    ap.add_argument("--expands", type=float, nargs="+", default=[EXPAND], help="coarse_expand values")
     ap.add_argument("--reranks", type=int, nargs="+", default=[1], help="rerank_factor values")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "rows": []}
