@@ -50,8 +50,10 @@ class SparseKVConfig:
     max_coarse: int = 64
     kmeans_iters: int = 10
     # Coarse units are expanded in bound order until their fine clusters hold
-    # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py).
-    coarse_expand: float = 16.0
+    # `coarse_expand` x the remaining budget in tokens (see sgl_sparsekv/select.py). At 30K on real Qwen weights
+    # 32 answered dense's 195 of 500 where 16 answered 179; selection per sparse layer at batch 16 costs 0.131 ms
+    # instead of 0.105 (H200, README "Fidelity" and bench/results/selection_breakdown_expand.json).
+    coarse_expand: float = 32.0
     # Coarse units and fine clusters are ranked by q.mu + radius_weight |q| r: 1 is the upper bound of
     # LycheeCluster, under which wide clusters of filler outrank the tight one holding a needle; 0.25 answered
     # 213 of 500 long-context samples where 1 answered 171 (README, fidelity on the GPU).

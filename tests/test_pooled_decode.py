@@ -16,6 +16,7 @@ from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
+from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from sgl_sparsekv.transfer import StagedUpload, sync_check
@@ -286,8 +287,10 @@ def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
                                                   (False, "staggered-0.5", 1), (True, "staggered-0.5", 2)])
 def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
-    CUDA graph; every replay (with lengths, units and grafts changing) equals the same orchestration run with
-    the kernels' torch twins (same index builds, twin grafts, selection, emission and attention).
+    CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
+    selected, and those lists are the ones the same orchestration picks with the kernels' torch twins (twin grafts,
+    selection, emission), up to near-ties: both start from the kernels' index, yet a bound computed in another
+    order may swap the chunk at the budget's edge (a few lists in a thousand, a few chunks each).
     ``no_sync``: every decode step's host work runs with CUDA's sync check set to raise (debug checks off, as
     in serving): cutting, summarizing and grafting units never waits for the GPU. ``roles``: hybrid heads, whose
     sparse heads' lists must survive from one captured layer to the next. ``rerank``: the two-stage selection's
@@ -317,11 +320,18 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         for m in (ref, pooled):
             m.prepare_extend([row], [0], [n], r2t, toks[-1:])
             m.finish_extend([row], [True], r2t, lambda l: k[l])
+    # k-means and its twin may settle in different local optima (test_kernels compares them): the twin starts
+    # from the kernels' index, so the steps compare selection, not clustering
+    assert [ref.states[r].segments for r in rows] == [pooled.states[r].segments for r in rows]
+    for name, t in vars(ref.pools).items():
+        if isinstance(t, torch.Tensor):
+            t.copy_(getattr(pooled.pools, name))
     dec = PooledDecode(pooled, max_bs=4, q_heads=Hk * Gq)
     twin = PooledDecode(ref, max_bs=4, q_heads=Hk * Gq)
     q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
     outs = [torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16) for _ in range(1, layers)]
-    seqs = list(lens)
+    lists = [(dec.lens.clone(), dec.windows.clone()) for _ in range(1, layers)]   # each layer's, kept by the graph
+    seqs, n, cap = list(lens), 3 * Hk, cfg.token_budget
 
     def step(capture=None):
         for i in range(3):
@@ -336,20 +346,39 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     def run_layers():
         for l in range(1, layers):
             outs[l - 1].copy_(dec.attend(q, k[l], v[l], l - 1, r2t, d ** -0.5))
+            lists[l - 1][0].copy_(dec.lens)
+            lists[l - 1][1].copy_(dec.windows)
+
+    def sorted_lists(lens, windows):
+        w = windows[:n * cap].view(n, cap).long()
+        return lens[:n], torch.where(torch.arange(cap, device=dev) < lens[:n, None], w, 1 << 40).sort(1).values
 
     step()
     run_layers()                                 # warm up (Triton compiles) outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_layers()
+    direct = (dec.direct[:3], dec.rows[:3], dec.seq[:3], r2t)
+    checked, near_ties = 0, []
     for it in range(90):   # grafts wait for the recent window's edge (64 tokens)
         nxt += 3
         step()
         graph.replay()
         torch.cuda.synchronize()
         for l in range(1, layers):
-            want = twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
-            assert torch.allclose(outs[l - 1][:3].float(), want.float(), atol=2e-2, rtol=2e-2), (it, l)
+            got_lens, got = lists[l - 1]
+            own = sparse_decode_attention_ref(q[:3], k[l], v[l], dec.starts[:n], got, d ** -0.5, lens=got_lens[:n],
+                                              direct=direct)
+            assert torch.allclose(outs[l - 1][:3].float(), own.float(), atol=2e-2, rtol=2e-2), (it, l)
+            twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
+            (a_len, a), (b_len, b) = sorted_lists(got_lens, got), sorted_lists(twin.lens, twin.windows)
+            assert torch.equal(a_len, b_len), (it, l)
+            for j in (a != b).any(1).nonzero().flatten().tolist():
+                swapped = int((~torch.isin(a[j], b[j])).sum())
+                near_ties.append((it, l, j, swapped))
+                assert swapped <= 4 * cfg.chunk_max, near_ties[-1]
+            checked += n
+    assert len(near_ties) <= checked // 100, near_ties
     assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
     # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
