@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -42,10 +43,22 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
 # rank and store); results of that time name it lychee, and one chunk per fine cluster lychee-fine-1;
 # lychee-expand-8: coarse_expand 8, fine bounds for about half the clusters at 32K; lychee-rerank-2: the two-stage
-# selection (twice the budget's candidates, their keys scored, the budget's best attended)
+# selection (twice the budget's candidates, their keys scored, the budget's best attended); lychee-qwen-*: the role
+# maps shipped for Qwen2.5-Coder-0.5B (configs/head_roles/), served on that shape (--shape qwen2.5-coder-0.5b)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
-            "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2}}
+            "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2},
+            **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
+               for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
+# --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
+# by another model's shape
+SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),
+          "qwen2.5-coder-0.5b": ("Qwen2.5-Coder-0.5B shape (24 layers, 14 q / 2 KV heads, d 64), dummy weights",
+                                 dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                                      intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                                      num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                                      max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      sliding_window=None, use_sliding_window=False))}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "scratch_full_steps", "decode_prepare_s", "index_build_s", "index_release_s",
           "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
@@ -198,13 +211,23 @@ def main():
     ap.add_argument("--resume", help="result JSON of an earlier call on this machine: add this call's methods to it")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of both servers (GPUs per server)")
     ap.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas of both servers")
+    ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
+                    help="the dummy model's shape: other than llama3-8b, --model's config.json is rewritten to it")
     a = ap.parse_args()
+    label, shape = SHAPES[a.shape]
+    if shape is not None:
+        path = os.path.join(a.model, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({k: config[k] for k in ("torch_dtype", "hidden_act", "bos_token_id", "eos_token_id")} | shape, f,
+                      indent=1)
     import torch
 
     import sglang
 
     res = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
-           "model": "Llama-3.1-8B shape, dummy weights",
+           "model": label,
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "resume")},
            "gpus": torch.cuda.device_count(),
            "server_args": COMMON + ["--attention-backend", a.backend, "--tp-size", str(a.tp_size),
