@@ -554,6 +554,7 @@ def main():
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_staged.json", serving_table),
                      ("gpu_serving_h200_expand32.json", serving_table),
+                     ("gpu_serving_h200_qwen05b.json", serving_table),
                      ("gpu_serving_h200_check.json", serving_table),
                      ("gpu_serving_h100_random.json", serving_table),
                      ("fine_bounds_grouped.json", grouped_bounds_table),
