@@ -64,6 +64,19 @@ DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_ste
           "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
 
 
+def write_shape(model_dir: str, name: str) -> str:
+    """Give the dummy model in ``model_dir`` (made by mkmodel.py) the shape ``name`` of SHAPES -> its label."""
+    label, shape = SHAPES[name]
+    if shape is not None:
+        path = os.path.join(model_dir, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        with open(path, "w") as f:
+            json.dump({k: config[k] for k in ("torch_dtype", "hidden_act", "bos_token_id", "eos_token_id")} | shape, f,
+                      indent=1)
+    return label
+
+
 def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
     return ["--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
             str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
@@ -214,14 +227,7 @@ def main():
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
                     help="the dummy model's shape: other than llama3-8b, --model's config.json is rewritten to it")
     a = ap.parse_args()
-    label, shape = SHAPES[a.shape]
-    if shape is not None:
-        path = os.path.join(a.model, "config.json")
-        with open(path) as f:
-            config = json.load(f)
-        with open(path, "w") as f:
-            json.dump({k: config[k] for k in ("torch_dtype", "hidden_act", "bos_token_id", "eos_token_id")} | shape, f,
-                      indent=1)
+    label = write_shape(a.model, a.shape)
     import torch
 
     import sglang

@@ -380,3 +380,30 @@ def test_reranked_masks_keep_the_best_candidates():
             assert bool(dropped.any()) and float(w[h][dropped].max()) <= float(w[h][m[h] & middle].min()) + 1e-7
         assert bool(m[1, planted]) or not bool(cand[1, planted])
     assert bool(next(iter(wide.values()))[1, planted])   # the test is not vacuous: lychee finds it at twice the budget
+
+
+def test_serving_bench_qwen_shape_takes_the_shipped_qwen_maps(tmp_path):
+    """bench.gpu_serving --shape qwen2.5-coder-0.5b rewrites mkmodel's Llama config into Qwen2.5-Coder-0.5B's shape:
+    the server's startup check accepts every lychee-qwen-* variant's role map on it (a map that did not fit would
+    fail only on the GPU machine), and rejects them on the Llama shape."""
+    from transformers import AutoConfig
+
+    from bench.gpu_serving import VARIANTS, write_shape
+
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 128256, "torch_dtype": "bfloat16", "hidden_act": "silu", "bos_token_id": 1,
+             "eos_token_id": 2, "rope_theta": 500000.0}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    before = AutoConfig.from_pretrained(tmp_path)
+    assert "Qwen2.5-Coder-0.5B" in write_shape(str(tmp_path), "qwen2.5-coder-0.5b")
+    hf = AutoConfig.from_pretrained(tmp_path)
+    assert (hf.model_type, hf.num_hidden_layers, hf.num_key_value_heads, hf.hidden_size // hf.num_attention_heads) == \
+        ("qwen2", 24, 2, 64)
+    qwen = [name for name in VARIANTS if name.startswith("lychee-qwen-")]
+    assert len(qwen) == 3
+    for name in qwen:
+        cfg = SparseKVConfig.from_method("lychee", VARIANTS[name])
+        check_model(hf, cfg)
+        with pytest.raises(ConfigError, match="does not fit"):
+            check_model(before, cfg)
