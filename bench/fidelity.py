@@ -37,8 +37,10 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
            # half the coarse expansion: fine bounds for about half the clusters at 32K (selection_breakdown_expand)
            "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
-           # twice the coarse expansion, no rerank: the coarse units that lychee-rerank-2 expands at 32K
+           # the coarse expansion of lychee-rerank-2 at 32K, no rerank: the default since 2815376 (lychee), measured
+           # under this name before; lychee-expand-16: the default up to it (lychee in the results of that time)
            "lychee-expand-32": ("lychee", {"coarse_expand": 32.0}),
+           "lychee-expand-16": ("lychee", {"coarse_expand": 16.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)
@@ -252,7 +254,7 @@ def main():
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
-    ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--samples", type=int, default=5, help="samples per task and length (10 tasks: 50 is 500 in all)")
     ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
     ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 2K tokens, 3 tasks")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
