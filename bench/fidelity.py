@@ -100,8 +100,10 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             eager = bool(gpu_backend) and (method == "quest" or not cuda_graph)
             args = server + (["--disable-cuda-graph"] if eager else [])
             t0 = time.time()
-            with Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv, \
-                    ThreadPoolExecutor(concurrency) as pool:
+            # the pool closes last: stopped mid-run (SIGTERM), the server goes first and the requests in flight
+            # fail at once, instead of the pool waiting out their timeouts before the server is stopped
+            with ThreadPoolExecutor(concurrency) as pool, \
+                    Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv:
                 scores, counts = {}, {}
                 for t in tasks:
                     for n in lengths:

@@ -50,6 +50,23 @@ def _group_alive(group: int) -> bool:
         return False
 
 
+def run_driver(cmd: list[str], timeout: float, grace: float = 120, **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a driver that runs servers: where
+    ``subprocess.run`` would SIGKILL it (its timeout, or the caller stopped), the driver gets SIGTERM first and
+    ``grace`` seconds to stop its servers, which live in sessions of their own and would outlive a killed driver."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:
+            p.terminate()
+            try:
+                p.communicate(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 class Server:
     """``with Server(model, method, config) as srv: srv.complete(prompt)``; logs go to ``log_path``."""
 

@@ -56,3 +56,21 @@ def test_sigterm_while_starting_stops_the_server_and_its_children(tmp_path):
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(60) == 128 + signal.SIGTERM
     assert not alive(child), "the server's child outlived the driver"
+
+
+def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
+    """A test's timeout on a driver (bench.fidelity, bench.gpu_stress) must not orphan the driver's server:
+    ``subprocess.run`` would SIGKILL the driver, and the server, in a session of its own, would keep its CPU or
+    GPU for the rest of the run. ``run_driver`` sends SIGTERM first."""
+    import pytest
+
+    from bench.server import run_driver
+
+    log = tmp_path / "server.log"
+    code = DRIVER.format(root=str(ROOT), log=str(log), launcher=FAKE_LAUNCHER)
+    t0 = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_driver([sys.executable, "-c", code], timeout=8)
+    child = int(log.read_text().split()[0])   # the fake scheduler, started before the timeout
+    assert not alive(child), "the server's child outlived the driver"
+    assert time.time() - t0 < 60

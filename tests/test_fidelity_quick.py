@@ -3,11 +3,12 @@ the sparse ones really read a fraction of the KV."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench.server import run_driver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.e2e
 
 def test_quick_mode(tmp_path, smollm2_dir):
     out = tmp_path / "quick.json"
-    p = subprocess.run([sys.executable, "-m", "bench.fidelity", "--quick", "--model-dir", smollm2_dir,
-                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    p = run_driver([sys.executable, "-m", "bench.fidelity", "--quick", "--model-dir", smollm2_dir, "--out", str(out)],
+                   timeout=1800, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     runs = {r["method"]: r for r in res["runs"]}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.server import run_driver
+
 ROOT = Path(__file__).resolve().parents[1]
 MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
 
@@ -24,8 +26,8 @@ def test_stress_small(tmp_path, tp):
     model = tmp_path / "tiny"
     subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
     out = tmp_path / "stress.json"
-    p = subprocess.run([sys.executable, "-m", "bench.gpu_stress", "--small", "--model", str(model), "--out", str(out),
-                        "--tp-size", str(tp)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = run_driver([sys.executable, "-m", "bench.gpu_stress", "--small", "--model", str(model), "--out", str(out),
+                    "--tp-size", str(tp)], timeout=900, cwd=ROOT)
     res = json.loads(out.read_text())
     assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
     assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
