@@ -50,7 +50,7 @@ def sweep(bs: int, ctx: int, size: float) -> list[dict]:
         for tile in (8192, 4096):
             def cut():
                 ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
-                                          num_warps=warps)
+                                          BAND=ks.CUT_BAND, BAND_KEYS=ks.CUT_BAND_KEYS, num_warps=warps)
             rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")

@@ -43,6 +43,9 @@ import triton.language as tl
 NEG = tl.constexpr(float("-inf"))
 # a (request, KV head) with at most this many fine clusters (~98K tokens at one chunk per cluster) is cut in registers
 CUT_BLOCK = 8192
+# the register cut's last passes run on the clusters whose bounds lie within CUT_BAND_KEYS float steps of the cut
+# (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few
+CUT_BAND, CUT_BAND_KEYS = 64, 1 << 16
 # rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
 # and 16, 32 programs per list) took 39 -> 33 us (bounds) and 26 -> 17 us (emission) per layer at batch 16
 FINE_BLOCK, EMIT_BLOCK = 16, 128
@@ -173,8 +176,11 @@ def _mass_from(Bh, FTok, fo0, L0, fo1, L, h, v, H: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr):
-    """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers."""
+def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr,
+                      BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
+    """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers. A bisection pass
+    costs the work over its tile: once the interval holds at most ``BAND_KEYS`` keys, the few clusters left in it
+    are gathered into a ``BAND``-wide tile (through the picks' row, which is written last) for the remaining passes."""
     one = tl.arange(0, BLOCK)
     m = one < L
     ub, tok = _bounds_and_tokens(Bh, FTok, one, m, fo0, L0, fo1, h, H)
@@ -184,12 +190,34 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
     hi = tl.max(tl.where(live, key, -(1 << 40)), 0) + 1
     total = tl.sum(tl.where(live, tok, 0.0), 0)
     # invariant: mass(key >= lo) > budget >= mass(key >= hi)
-    for _ in range(33):
+    while hi - lo > BAND_KEYS:
         mid = lo + (hi - lo) // 2
         over = tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
-        go = hi - lo > 1
-        lo = tl.where(go & over, mid, lo)
-        hi = tl.where(go & ~over, mid, hi)
+        lo = tl.where(over, mid, lo)
+        hi = tl.where(over, hi, mid)
+    band = live & (key >= lo) & (key < hi)
+    n = tl.sum(band.to(tl.int32), 0)
+    if n <= BAND:
+        past = tl.sum(tl.where(live & (key >= hi), tok, 0.0), 0)
+        tl.store(Sh + tl.cumsum(band.to(tl.int32), 0) - 1, one.to(tl.float32), mask=band)
+        tl.debug_barrier()
+        j = tl.arange(0, BAND)
+        jm = j < n
+        bub, btok = _bounds_and_tokens(Bh, FTok, tl.load(Sh + j, mask=jm, other=0.0).to(tl.int32), jm, fo0, L0, fo1,
+                                       h, H)
+        bkey = _order_key(bub)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            over = past + tl.sum(tl.where(jm & (bkey >= mid), btok, 0.0), 0) > budget
+            lo = tl.where(over, mid, lo)
+            hi = tl.where(over, hi, mid)
+        tl.debug_barrier()   # the band's indexes are read before the picks overwrite them
+    else:   # many clusters share a handful of keys (exact ties): the passes stay on the whole tile
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            over = tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
+            lo = tl.where(over, mid, lo)
+            hi = tl.where(over, hi, mid)
     lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
     above = tl.sum(tl.where(live & (key > lo), tok, 0.0), 0)
     tie = live & (key == lo)
@@ -199,7 +227,8 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
 
 
 @triton.jit
-def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr):
+def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr,
+                BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
@@ -214,11 +243,11 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     Bh, Sh = Bnd + so, Sel + so
     one = tl.arange(0, BLOCK)
     if L <= BLOCK // 4:
-        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 4)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 4, BAND, BAND_KEYS)
     elif L <= BLOCK // 2:
-        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 2)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 2, BAND, BAND_KEYS)
     elif L <= BLOCK:
-        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK, BAND, BAND_KEYS)
     else:
         lo = tl.full([], 1 << 40, tl.int64)
         hi = tl.full([], -(1 << 40), tl.int64)
@@ -265,14 +294,16 @@ def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
-                radius_weight: float = 1.0, heads: torch.Tensor | None = None):
+                radius_weight: float = 1.0, heads: torch.Tensor | None = None,
+                cut_band: tuple[int, int] = (CUT_BAND, CUT_BAND_KEYS)):
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
     coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
     ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
-    with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers.
+    with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
+    (tile, keys) sets the register cut's last passes (``_cut_in_registers``).
     ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
@@ -298,7 +329,8 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, S, heads, R,
                                          float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
                                          BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
-    _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, num_warps=8)
+    _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, BAND=cut_band[0],
+                           BAND_KEYS=cut_band[1], num_warps=8)
     return sel
 
 

@@ -43,28 +43,32 @@ def test_select_fine_matches_reference(G, D):
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
     coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
-    for expand, parts, rw in ((1.0, 1, 1.0), (4.0, 3, 1.0), (1e6, 8, 1.0), (4.0, 3, 0.25), (1.0, 2, 0.0)):
+    for expand, parts, rw, band in ((1.0, 1, 1.0, (64, 1 << 16)), (4.0, 3, 1.0, (2, 1 << 10)), (1e6, 8, 1.0, (64, 1)),
+                                    (4.0, 3, 0.25, (256, 1 << 40)), (1.0, 2, 0.0, (64, 1 << 16))):
         sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
-                          expand, parts=parts, radius_weight=rw).cpu()
+                          expand, parts=parts, radius_weight=rw, cut_band=band).cpu()
         for b, ix in enumerate(indexes):
             ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max", rw)
             got = sel[:, own_rows(ranges, b)] > 0
             assert torch.equal(got, ref), (b, expand, rw)
 
 
+@pytest.mark.parametrize("cut_band", [(64, 1 << 16), (1, 1 << 16), (4, 1), (256, 1 << 40)])
 @pytest.mark.parametrize("cut_block", [16, 64, 4096])
-def test_select_fine_ties_and_the_memory_pass(cut_block):
+def test_select_fine_ties_and_the_memory_pass(cut_block, cut_band):
     """Chunks repeating five keys exactly: whole groups of fine clusters tie on their bound, and the cut must
     take them in index order like the stable sort. The requests have 30, 100 and 5 fine clusters: ``cut_block``
     16 sends every request through the pass over memory that requests with more fine clusters than the block
-    take, 64 cuts them in the tiles of 32 and 16 and in the pass over memory, 4096 in the tile of 1024."""
+    take, 64 cuts them in the tiles of 32 and 16 and in the pass over memory, 4096 in the tile of 1024.
+    ``cut_band``: the register cut's last passes on the band's few clusters gathered (the default; (256, 2^40):
+    every cluster is the band), or on the whole tile where the band holds more than 1 (ties) or 4 clusters."""
     gen = torch.Generator().manual_seed(3)
     bs, H, G, D = 3, 2, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.0)
     coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budgets = [50, 333, 10_000]
     sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
-                      4.0, parts=2, cut_block=cut_block).cpu()
+                      4.0, parts=2, cut_block=cut_block, cut_band=cut_band).cpu()
     ties = 0
     for b, ix in enumerate(indexes):
         ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], 4.0, "max")
