@@ -1,11 +1,12 @@
 """Launch parameters of the selection kernels, swept on the GPU: the tiles ``kernels/select.py`` uses were chosen here.
 
-    python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1]
+    python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1] [--expand 32]
 
 For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
 per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1,
 all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
-``--size`` chunks per fine cluster: 1, the default, or 2, the default when the tiles were chosen).
+``--size`` chunks per fine cluster: 1, the default, or 2, the default when the tiles were chosen; ``--expand`` the
+coarse expansion, by default the config's: it sets how many fine clusters get bounds).
 The tiles only split the same work among programs: every setting computes the same bounds, selection and lists.
 """
 
@@ -17,13 +18,13 @@ from collections import defaultdict
 
 import torch
 
-from bench.bench_kernels import D, FINE, H, HQ, graph_bench, selection_case
+from bench.bench_kernels import D, EXPAND, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
 
 BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
 
 
-def sweep(bs: int, ctx: int, size: float) -> list[dict]:
+def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
     (cmu, cr, ctok), (fmu, fr, ftok, fpar) = c["coarse"], c["fine"]
     cfine, cstart, clen = c["chunks"]
@@ -33,7 +34,7 @@ def sweep(bs: int, ctx: int, size: float) -> list[dict]:
     bnd, sel = c["scratch"]
     heads = ks.all_heads(H, "cuda")
     expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
-    ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, H, 16.0, 0.25, q.stride(0),
+    ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, H, expand, 0.25, q.stride(0),
                                         q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
     rows_out = []
     for tile in (16, 32, 64):
@@ -89,10 +90,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--size", type=float, default=FINE, help="fine_cluster_size")
+    ap.add_argument("--expand", type=float, default=EXPAND, help="coarse_expand")
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(), "fine_cluster_size": a.size, "rows": []}
+    res = {"device": torch.cuda.get_device_name(), "fine_cluster_size": a.size, "coarse_expand": a.expand, "rows": []}
     for bs in (16, 1):
-        res["rows"] += sweep(bs, a.context, a.size)
+        res["rows"] += sweep(bs, a.context, a.size, a.expand)
         with open(a.out, "w") as f:
             json.dump(res, f)
     for kernel, keys in (("fine_bounds", ("BLOCK_L", "parts", "warps")), ("cut", ("BLOCK", "warps")),

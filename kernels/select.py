@@ -22,8 +22,8 @@ expanded in bound order while the tokens before them stay under ``expand * budge
 ties by lower index, as a stable sort would); the expanded units' fine clusters are taken in bound order
 while the running token count stays within the budget. That second cut is found without sorting, in one
 program per (request, KV head): a bisection over order-preserving integer keys of the bounds finds the
-bound of the first cluster that overflows, in 33 passes over registers, so its cost grows with the
-clusters, not with their square.
+bound of the first cluster that overflows, in at most 33 passes over registers (the last ones over the few
+clusters near the cut), so its cost grows with the clusters, not with their square.
 
 ``emit_tokens`` then writes each (request, KV head)'s KV slots: the sink, the selected chunks' tokens
 outside the recent window, and the recent window, into a fixed window of ``cap`` entries. Requests
@@ -44,11 +44,13 @@ NEG = tl.constexpr(float("-inf"))
 # a (request, KV head) with at most this many fine clusters (~98K tokens at one chunk per cluster) is cut in registers
 CUT_BLOCK = 8192
 # the register cut's last passes run on the clusters whose bounds lie within CUT_BAND_KEYS float steps of the cut
-# (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few
-CUT_BAND, CUT_BAND_KEYS = 64, 1 << 16
+# (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few: on an H200 at 32K this took
+# the cut from 18.8 to 16.7 us per layer at batch 1 (19.6 to 17.2 at batch 16; bands of 64 and 128: 17.4, 17.7)
+CUT_BAND, CUT_BAND_KEYS = 32, 1 << 16
 # rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
-# and 16, 32 programs per list) took 39 -> 33 us (bounds) and 26 -> 17 us (emission) per layer at batch 16
-FINE_BLOCK, EMIT_BLOCK = 16, 128
+# and 16, 32 programs per list) took 26 -> 17 us (emission) per layer at batch 16; the fine bounds' 32 rows, timed
+# on an H200 with bf16 centroids and coarse_expand 32, took 69 -> 57 us at batch 16 and 12.4 -> 8.1 us at batch 1
+FINE_BLOCK, EMIT_BLOCK = 32, 128
 # rows of ``ranges``: segment 0 (adopted, shared), segment 1 (the request's own), the scratch offset
 RANGE_FIELDS = ("co0", "P0", "fo0", "L0", "ko0", "M0", "co1", "P1", "fo1", "L1", "ko1", "M1", "so")
 
@@ -537,8 +539,13 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     Returns (coarse, fine, chunks, ranges): pools in the layouts the kernels read, and ``ranges`` with each
     request's index as its own segment (segment 0 empty) and its scratch rows at its fine rows.
     """
+    from sgl_sparsekv.index import CENTROID_DTYPE
+
     def cat(ts):
         return torch.cat(ts).to(device)
+
+    def centroids(ts):   # stored as the index pools store them
+        return cat(ts).to(CENTROID_DTYPE).contiguous()
 
     table = torch.zeros(len(RANGE_FIELDS), len(indexes), dtype=torch.int32)
     c = f = k = 0
@@ -547,10 +554,10 @@ def pack(indexes, chunk_starts, chunk_lens, device):
         for name, v in (("co1", c), ("P1", P), ("fo1", f), ("L1", L), ("ko1", k), ("M1", M), ("so", f)):
             table[RANGE_FIELDS.index(name), b] = v
         c, f, k = c + P, f + L, k + M
-    coarse = (cat([ix.coarse_mu.transpose(0, 1) for ix in indexes]).contiguous(),
+    coarse = (centroids([ix.coarse_mu.transpose(0, 1) for ix in indexes]),
               cat([ix.coarse_r.T for ix in indexes]).contiguous(),
               cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
-    fine = (cat([ix.fine_mu.transpose(0, 1) for ix in indexes]).contiguous(),
+    fine = (centroids([ix.fine_mu.transpose(0, 1) for ix in indexes]),
             cat([ix.fine_r.T for ix in indexes]).contiguous(),
             cat([ix.fine_tokens.T for ix in indexes]).contiguous(),
             cat([ix.fine_parent.T for ix in indexes]).to(torch.int32).contiguous())
