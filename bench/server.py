@@ -20,11 +20,24 @@ import requests
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--grammar-backend", "none", "--sleep-on-idle"]
 
 
+def ephemeral_floor() -> int:
+    """The lowest port the OS numbers sockets with itself (bind to port 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768   # Linux's default
+
+
 def free_port() -> int:
-    """A free port well below 65535: SGLang derives further ports (gRPC, ZMQ) by adding offsets."""
+    """A free port below the OS's ephemeral range, with room for the ports SGLang derives from it (up to +239):
+    a port inside that range can be taken between this check and the server's bind by any socket the OS numbers,
+    the server's own NCCL port among them (a CI server lost its HTTP port to that)."""
     rng = random.Random()
+    hi = min(40000, ephemeral_floor()) - 300
+    lo = 20000 if hi > 21000 else 10000
     while True:
-        port = rng.randrange(20000, 40000)
+        port = rng.randrange(lo, hi)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -74,3 +74,14 @@ def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
     child = int(log.read_text().split()[0])   # the fake scheduler, started before the timeout
     assert not alive(child), "the server's child outlived the driver"
     assert time.time() - t0 < 60
+
+
+def test_free_ports_stay_below_the_ports_the_os_numbers_itself():
+    """A server's own NCCL port comes from the OS's ephemeral range (bind to port 0): a chosen HTTP port there was
+    taken before the server bound it. Every port, with SGLang's derived ports (up to +239), lies below that range."""
+    from bench.server import ephemeral_floor, free_port
+
+    floor = ephemeral_floor()
+    ports = [free_port() for _ in range(200)]
+    assert all(p + 239 < floor for p in ports), (floor, max(ports))
+    assert len(set(ports)) > 100   # still spread, so parallel servers rarely pick the same one
