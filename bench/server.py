@@ -35,7 +35,7 @@ def free_port() -> int:
     the server's own NCCL port among them (a CI server lost its HTTP port to that)."""
     rng = random.Random()
     hi = min(40000, ephemeral_floor()) - 300
-    lo = 20000 if hi > 21000 else 10000
+    lo = min(20000, hi - 1000)
     while True:
         port = rng.randrange(lo, hi)
         with socket.socket() as s:
