@@ -178,6 +178,18 @@ def _mass_from(Bh, FTok, fo0, L0, fo1, L, h, v, H: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
+def _bisect(lo, hi, stop, live, key, tok, past, budget):
+    """Narrow [lo, hi) to at most ``stop`` keys, keeping mass(key >= lo) > budget >= mass(key >= hi), where
+    mass(v) is ``past`` plus the tokens of the ``live`` clusters in registers whose key is >= v."""
+    while hi - lo > stop:
+        mid = lo + (hi - lo) // 2
+        over = past + tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
+        lo = tl.where(over, mid, lo)
+        hi = tl.where(over, hi, mid)
+    return lo, hi
+
+
+@triton.jit
 def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr,
                       BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
     """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers. A bisection pass
@@ -191,12 +203,7 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
     lo = tl.min(tl.where(live, key, 1 << 40), 0)
     hi = tl.max(tl.where(live, key, -(1 << 40)), 0) + 1
     total = tl.sum(tl.where(live, tok, 0.0), 0)
-    # invariant: mass(key >= lo) > budget >= mass(key >= hi)
-    while hi - lo > BAND_KEYS:
-        mid = lo + (hi - lo) // 2
-        over = tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
-        lo = tl.where(over, mid, lo)
-        hi = tl.where(over, hi, mid)
+    lo, hi = _bisect(lo, hi, BAND_KEYS, live, key, tok, 0.0, budget)
     band = live & (key >= lo) & (key < hi)
     n = tl.sum(band.to(tl.int32), 0)
     if n <= BAND:
@@ -207,19 +214,10 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
         jm = j < n
         bub, btok = _bounds_and_tokens(Bh, FTok, tl.load(Sh + j, mask=jm, other=0.0).to(tl.int32), jm, fo0, L0, fo1,
                                        h, H)
-        bkey = _order_key(bub)
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            over = past + tl.sum(tl.where(jm & (bkey >= mid), btok, 0.0), 0) > budget
-            lo = tl.where(over, mid, lo)
-            hi = tl.where(over, hi, mid)
+        lo, hi = _bisect(lo, hi, 1, jm, _order_key(bub), btok, past, budget)
         tl.debug_barrier()   # the band's indexes are read before the picks overwrite them
     else:   # many clusters share a handful of keys (exact ties): the passes stay on the whole tile
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            over = tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
-            lo = tl.where(over, mid, lo)
-            hi = tl.where(over, hi, mid)
+        lo, hi = _bisect(lo, hi, 1, live, key, tok, 0.0, budget)
     lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
     above = tl.sum(tl.where(live & (key > lo), tok, 0.0), 0)
     tie = live & (key == lo)
