@@ -17,7 +17,8 @@ import requests
 
 # --sleep-on-idle: an idle scheduler otherwise polls its sockets nonstop, and on a 2-core CI machine the servers a
 # test module keeps up (a reference beside the one under test) took the cores from the one doing the work
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--grammar-backend", "none", "--sleep-on-idle"]
+CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--grammar-backend", "none", "--sleep-on-idle",
+            "--dtype", "float32"]
 
 
 def ephemeral_floor() -> int:
