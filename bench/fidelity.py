@@ -258,7 +258,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5, help="samples per task and length (10 tasks: 50 is 500 in all)")
     ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
-    ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 2K tokens, 3 tasks")
+    ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 1K tokens, 3 tasks")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
                     "lychee wraps")
@@ -281,7 +281,7 @@ def main():
                 json.dump(both, f, indent=1)
         return
     if a.quick:
-        a.budgets, a.lengths, a.samples = [256], [2000], 2
+        a.budgets, a.lengths, a.samples = [256], [1000], 2
         a.tasks = ["passkey", "niah_multikey", "json_value"]
     from sgl_sparsekv.models import prepare
 
