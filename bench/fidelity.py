@@ -26,7 +26,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.server import Server
+from bench.server import CPU_ARGS, Server
 from bench.tasks import RULER, STRUCTURED, TASKS, make
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
@@ -90,7 +90,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     server = server + ["--context-length", str(CONTEXT.get(model, 8192))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
     res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "first_seed": first,
-           "budgets": budgets, "tasks": list(tasks), "server_args": server, "runs": []}
+           "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
+           "runs": []}
     for name in methods:
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
