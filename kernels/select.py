@@ -340,16 +340,18 @@ def _scratch_rows(ranges: torch.Tensor, bs: int) -> int:
 
 
 @triton.jit
-def _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent):
-    """A list's request: (b, h, chunks to scan, length, sink end, recent start). A request within
-    ``dense_limit`` scans no chunk: its sink is the whole sequence."""
+def _emit_request(T, st, SeqLen, Fresh, pid, Heads, R, dense_limit, sink, recent):
+    """A list's request: (b, h, chunks to scan, length, sink end, recent start, whether its list is written). A
+    request within ``dense_limit`` scans no chunk: its sink is the whole sequence."""
     b, h = _program_head(pid, Heads, R)
     S = tl.load(SeqLen + b)
+    fresh = tl.load(Fresh + b) != 0
     dense = S <= dense_limit
     n_sink = tl.where(dense, S, tl.minimum(sink, S))
     rec_start = tl.where(dense, S, tl.maximum(n_sink, S - recent))
     M = tl.where(dense, 0, _field(T, st, b, 5) + _field(T, st, b, 11))
-    return b, h, M, S, n_sink, rec_start
+    M = tl.where(fresh, M, 0)
+    return b, h, M, S, n_sink, rec_start, fresh
 
 
 @triton.jit
@@ -372,11 +374,12 @@ def _chunk_counts(Sel, stride_sel, CFine, CStart, CLen, ko0, M0, ko1, L0, so, of
 
 
 @triton.jit
-def _emit_count_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, SeqLen, Counts, Heads, R, dense_limit, sink, recent,
-                       H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+def _emit_count_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, SeqLen, Fresh, Counts, Heads, R, dense_limit, sink,
+                       recent, H: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, M, S, n_sink, rec_start = _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent)
+    b, h, M, S, n_sink, rec_start, _fresh = _emit_request(T, st, SeqLen, Fresh, pid, Heads, R, dense_limit, sink,
+                                                          recent)
     ko0, M0, ko1, L0, so = _chunk_ranges(T, st, b)
     total = 0
     for blk in range(part * BLOCK_M, M, PARTS * BLOCK_M):
@@ -388,18 +391,20 @@ def _emit_count_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, SeqLen, Coun
 
 
 @triton.jit
-def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen, ReqToToken, Counts, Out, Lens, Heads, R,
-                       stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
+def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen, Fresh, ListRows, ReqToToken, Counts,
+                       Out, Lens, Heads, R, stride_rt, dense_limit, sink, recent, H: tl.constexpr, CAP: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, MAXLEN: tl.constexpr, PARTS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    b, h, M, S, n_sink, rec_start = _emit_request(T, st, SeqLen, pid, Heads, R, dense_limit, sink, recent)
+    b, h, M, S, n_sink, rec_start, fresh = _emit_request(T, st, SeqLen, Fresh, pid, Heads, R, dense_limit, sink,
+                                                         recent)
     row = tl.load(Rows + b).to(tl.int64)
     offs_parts = tl.arange(0, PARTS)
     counts = tl.load(Counts + pid * PARTS + offs_parts)
     n = n_sink + tl.sum(tl.where(offs_parts < part, counts, 0), 0)
     n_chunks = tl.sum(counts, 0)
-    lst = b * H + h   # the list's place in Out and Lens; a sparse head's place keeps its parent layer's list
+    # the list's place in Out and Lens (its list row's); a sparse head's place keeps its parent layer's list
+    lst = tl.load(ListRows + b).to(tl.int64) * H + h
     base = lst * CAP
     src = ReqToToken + row * stride_rt
     ko0, M0, ko1, L0, so = _chunk_ranges(T, st, b)
@@ -413,7 +418,7 @@ def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen
         slot = tl.load(src + first[:, None] + k[None, :], mask=m2, other=0)
         tl.store(Out + base + dst[:, None] + k[None, :], slot, mask=m2)
         n += tl.sum(cnt, 0)
-    if part == 0:
+    if (part == 0) & fresh:
         for t in range(0, n_sink, BLOCK_T):
             pos = t + tl.arange(0, BLOCK_T)
             m = (pos < n_sink) & (pos < CAP)
@@ -428,9 +433,13 @@ def _emit_write_kernel(Sel, stride_sel, CFine, CStart, CLen, T, st, Rows, SeqLen
 
 
 def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
-                dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None, heads: torch.Tensor | None = None):
-    """-> (lens [bs*H] int32, windows [bs*H*cap] int32): list ``i`` is ``windows[i*cap : i*cap + lens[i]]``.
+                dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None, heads: torch.Tensor | None = None,
+                lists_at: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """-> (lens [n*H] int32, windows [n*H*cap] int32): list ``i`` is ``windows[i*cap : i*cap + lens[i]]``.
     Only the lists of the KV heads ``heads`` (int32, default all) are written; the others keep what they held.
+    ``lists_at`` = (list rows [bs] int32, fresh [bs] int32): batch row ``b``'s lists are ``list_rows[b] * H + h``
+    and are written only where ``fresh[b]`` is set (a request reusing its lists of an earlier step); default: list
+    row ``b``, every row written.
 
     sel: :func:`select_fine`'s scratch rows; chunks = (fine [K,H] int32 local fine index, start [K] int32,
     length [K] int32 <= max_chunk); ranges as in :func:`select_fine`; rows: request pool rows. Each list holds at
@@ -445,15 +454,22 @@ def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, re
                torch.empty(bs * H * parts, dtype=torch.int32, device=sel.device))
     lens, windows, counts = out
     heads = all_heads(H, sel.device) if heads is None else heads
+    list_rows, fresh = every_row_fresh(bs, sel.device) if lists_at is None else lists_at
     R = heads.numel()
     st = ranges.stride(0)
-    _emit_count_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq_lens, counts, heads, R,
-                                        dense_limit, sink, recent, H=H, BLOCK_M=EMIT_BLOCK, PARTS=parts)
-    _emit_write_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq_lens, req_to_token, counts,
-                                        windows, lens, heads, R, req_to_token.stride(0), dense_limit, sink, recent, H=H,
-                                        CAP=cap, BLOCK_M=EMIT_BLOCK, BLOCK_T=64,
-                                        MAXLEN=triton.next_power_of_2(max_chunk), PARTS=parts)
+    _emit_count_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq_lens, fresh, counts,
+                                        heads, R, dense_limit, sink, recent, H=H, BLOCK_M=EMIT_BLOCK, PARTS=parts)
+    _emit_write_kernel[(bs * R, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq_lens, fresh,
+                                        list_rows, req_to_token, counts, windows, lens, heads, R,
+                                        req_to_token.stride(0), dense_limit, sink, recent, H=H, CAP=cap,
+                                        BLOCK_M=EMIT_BLOCK, BLOCK_T=64, MAXLEN=triton.next_power_of_2(max_chunk),
+                                        PARTS=parts)
     return lens, windows
+
+
+def every_row_fresh(bs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``emit_tokens``' default ``lists_at``: batch row b writes list row b."""
+    return torch.arange(bs, dtype=torch.int32, device=device), torch.ones(bs, dtype=torch.int32, device=device)
 
 
 def union_rows(r: dict, kind: str) -> torch.Tensor:
@@ -499,7 +515,7 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
 
 def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
                     dense_limit: int = 0, max_chunk: int = 16, parts: int = 8, out=None,
-                    heads: torch.Tensor | None = None):
+                    heads: torch.Tensor | None = None, lists_at: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Torch twin of :func:`emit_tokens`: sink, the selected chunks' tokens outside the recent window, recent."""
     cfine, cstart, clen = chunks
     bs, H = rows.shape[0], sel.shape[0]
@@ -507,7 +523,10 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
         out = (torch.empty(bs * H, dtype=torch.int32, device=sel.device),
                torch.empty(bs * H * cap, dtype=torch.int32, device=sel.device), None)
     lens, windows = out[0], out[1]
+    list_rows, fresh = (t.tolist() for t in (every_row_fresh(bs, "cpu") if lists_at is None else lists_at))
     for b, (r, row, S) in enumerate(zip(batch_ranges(ranges, bs), rows.tolist(), seq_lens.tolist())):
+        if not fresh[b]:
+            continue
         slots = req_to_token[row, :S]
         k = union_rows(r, "k").to(sel.device)
         if S <= dense_limit:   # the whole sequence as its sink, no chunk scanned
@@ -525,7 +544,7 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
             take = sel[h, r["so"] + cf[:, h]] > 0
             mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
             lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]
-            i = b * H + h
+            i = list_rows[b] * H + h
             windows[i * cap:i * cap + len(lst)] = lst
             lens[i] = len(lst)
     return lens, windows

@@ -11,7 +11,11 @@ log-sum-exp. bf16/fp16 in, fp32 accumulation. Lists may differ per KV head, so h
 or, for lists in fixed windows (``kernels/select.py:emit_tokens``), ``indptr[i]`` the start of list ``i``
 and ``lens[i]`` its length. With ``direct`` = (flags, rows, seq_lens, req_to_token), a request whose flag
 is set attends to its whole sequence instead, read straight from its ``req_to_token`` row: the dense
-fallback of a request whose index has no room in the pools, inside the same captured launch.
+fallback of a request whose index has no room in the pools, inside the same captured launch. A fifth entry,
+``tail_from`` [bs], adds to each list the request's positions ``[tail_from, seq_len)`` read from that row: the
+tokens decoded since a list selected a few steps before (config ``select_every``). With ``list_rows`` [bs],
+request ``b``'s lists are those of list row ``list_rows[b]`` (``indptr``/``lens`` entry ``list_rows[b] * H + h``),
+so lists kept across steps need not move when the batch changes.
 
 Capacities are fixed by the caller (budget x bs x H), so the launch has static shapes and can
 be captured in a CUDA graph.
@@ -48,41 +52,67 @@ def _group_query(Q, b, h, stride_qb, stride_qh, G: tl.constexpr, BLOCK_G: tl.con
 
 
 @triton.jit
+def _rows_of(X, slot, valid, h, stride_xn, stride_xh, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    return tl.load(X + slot[:, None] * stride_xn + h * stride_xh + offs_d[None, :],
+                   mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
 def _slot_tile(Src, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """List entries ``blk ..`` before ``hi``: (their KV slots, which are valid, the rows of buffer X they name)."""
     offs_n = blk + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     valid = offs_n < hi
     slot = tl.load(Src + offs_n, mask=valid, other=0).to(tl.int64)
-    x = tl.load(X + slot[:, None] * stride_xn + h * stride_xh + offs_d[None, :],
-                mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
-    return slot, valid, x
+    return slot, valid, _rows_of(X, slot, valid, h, stride_xn, stride_xh, D, BLOCK_D)
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
-                    Direct, Rows, SeqLen, ReqToToken, stride_rt,
+def _list_and_tail_tile(Src, n_list, Tail, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """As ``_slot_tile`` over a list's ``n_list`` entries at ``Src`` followed by the tail's at ``Tail``."""
+    offs_n = blk + tl.arange(0, BLOCK_N)
+    valid = offs_n < hi
+    in_list = offs_n < n_list
+    slot = tl.where(in_list, tl.load(Src + offs_n, mask=valid & in_list, other=0),
+                    tl.load(Tail + (offs_n - n_list), mask=valid & (offs_n >= n_list), other=0)).to(tl.int64)
+    return slot, valid, _rows_of(X, slot, valid, h, stride_xn, stride_xh, D, BLOCK_D)
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, Indptr, Lens, ListRows, Indices, OPart, LsePart, sm_scale,
+                    Direct, Rows, SeqLen, ReqToToken, TailFrom, stride_rt,
                     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
-                    HAS_DIRECT: tl.constexpr):
+                    HAS_DIRECT: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LIST_ROWS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)   # b * H + h
     split = tl.program_id(1)
     b = pid // H
     h = pid % H
-    start = tl.load(Indptr + pid).to(tl.int64)
+    li = pid
+    if HAS_LIST_ROWS:
+        li = tl.load(ListRows + b).to(tl.int64) * H + h
+    start = tl.load(Indptr + li).to(tl.int64)
     if HAS_LENS:
-        end = start + tl.load(Lens + pid)
+        n_list = tl.load(Lens + li).to(tl.int64)
     else:
-        end = tl.load(Indptr + pid + 1).to(tl.int64)
-    src = Indices
-    if HAS_DIRECT:
+        n_list = tl.load(Indptr + li + 1).to(tl.int64) - start
+    src = Indices + start
+    tail = src
+    n_tail = n_list * 0
+    if HAS_DIRECT:   # the whole sequence (dense fallback), or the list and its tail
+        tail = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_rt
+        seq = tl.load(SeqLen + b).to(tl.int64)
         if tl.load(Direct + b) != 0:
-            src = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_rt
-            start = start * 0
-            end = tl.load(SeqLen + b).to(tl.int64)
-    lo, hi = _split(start, end, split, SPLITS, BLOCK_N)
+            n_list = n_list * 0
+            n_tail = seq
+        elif HAS_TAIL:
+            t0 = tl.load(TailFrom + b).to(tl.int64)
+            tail += t0
+            n_tail = seq - t0
+    lo, hi = _split(0, n_list + n_tail, split, SPLITS, BLOCK_N)
     q = _group_query(Q, b, h, stride_qb, stride_qh, G, BLOCK_G, D, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -92,7 +122,8 @@ def _partial_kernel(Q, K, V, Indptr, Lens, Indices, OPart, LsePart, sm_scale,
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for blk in range(lo, hi, BLOCK_N):
-        slot, valid, k = _slot_tile(src, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D, BLOCK_N)
+        slot, valid, k = _list_and_tail_tile(src, n_list, tail, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D,
+                                             BLOCK_N)
         s = tl.dot(q, tl.trans(k)) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -142,11 +173,13 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
                             indptr: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                             out: torch.Tensor | None = None, num_splits: int = 8, block_n: int = 32,
                             workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                            lens: torch.Tensor | None = None, direct: tuple | None = None) -> torch.Tensor:
+                            lens: torch.Tensor | None = None, direct: tuple | None = None,
+                            list_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [bs, Hq, d]; k/v_buffer [slots, H, d]; indptr [bs*H+1]; indices [cap] -> out [bs, Hq, d].
 
-    ``direct`` = (flags [bs] int32, rows [bs] int32, seq_lens [bs] int32, req_to_token [R, C] int32): requests
-    whose flag is set attend to ``req_to_token[row, :seq_len]`` (see the module docstring).
+    ``direct`` = (flags [bs] int32, rows [bs] int32, seq_lens [bs] int32, req_to_token [R, C] int32[, tail_from
+    [bs] int32]): requests whose flag is set attend to ``req_to_token[row, :seq_len]``, the others to their list
+    and ``req_to_token[row, tail_from:seq_len]`` (see the module docstring).
 
     ``workspace`` (partial outputs and log-sum-exps, see :func:`workspace_for`) can be preallocated
     once for CUDA graphs.
@@ -161,13 +194,16 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     if workspace is None:
         workspace = workspace_for(bs, H, G, D, num_splits, q.device)
     opart, lse = workspace
-    flags, rows, seq_lens, req_to_token = direct if direct is not None else (indptr, indptr, indptr, indices[None])
+    flags, rows, seq_lens, req_to_token, *tail = direct if direct is not None else (indptr, indptr, indptr,
+                                                                                    indices[None])
     _partial_kernel[(bs * H, num_splits)](
-        q, k_buffer, v_buffer, indptr, indptr if lens is None else lens, indices, opart, lse, sm_scale,
-        flags, rows, seq_lens, req_to_token, req_to_token.stride(0),
+        q, k_buffer, v_buffer, indptr, indptr if lens is None else lens, indptr if list_rows is None else list_rows,
+        indices, opart, lse, sm_scale,
+        flags, rows, seq_lens, req_to_token, tail[0] if tail else flags, req_to_token.stride(0),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits,
-        HAS_LENS=lens is not None, HAS_DIRECT=direct is not None)
+        HAS_LENS=lens is not None, HAS_DIRECT=direct is not None, HAS_TAIL=bool(tail),
+        HAS_LIST_ROWS=list_rows is not None)
     _merge_kernel[(bs * H,)](opart, lse, out, out.stride(0), out.stride(1),
                              H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, SPLITS=num_splits)
     return out
@@ -180,7 +216,8 @@ def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> t
             torch.empty(bs * H * num_splits * BLOCK_G, dtype=torch.float32, device=device))
 
 
-def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None, direct=None):
+def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None, direct=None,
+                                list_rows=None):
     """Torch twin: plain softmax attention per (request, KV head) over its slot list, in fp32."""
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]
@@ -188,12 +225,18 @@ def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale
     out = torch.zeros(bs, Hq, D, dtype=torch.float32, device=q.device)
     ptr = indptr.tolist()
     ends = ptr[1:] if lens is None else [p + n for p, n in zip(ptr, lens.tolist())]
+    lrows = list(range(bs)) if list_rows is None else list_rows.tolist()
     for b in range(bs):
         for h in range(H):
-            slots = indices[ptr[b * H + h]:ends[b * H + h]].long()
-            if direct is not None and int(direct[0][b]):
-                flags, rows, seq_lens, req_to_token = direct
-                slots = req_to_token[int(rows[b]), :int(seq_lens[b])].long()
+            li = lrows[b] * H + h
+            slots = indices[ptr[li]:ends[li]].long()
+            if direct is not None:
+                flags, rows, seq_lens, req_to_token, *tail = direct
+                seq = req_to_token[int(rows[b]), :int(seq_lens[b])].long()
+                if int(flags[b]):
+                    slots = seq
+                elif tail:
+                    slots = torch.cat([slots, seq[int(tail[0][b]):]])
             if len(slots) == 0:
                 continue
             qh = q[b, h * G:(h + 1) * G].float()

@@ -13,6 +13,12 @@ no selection at all. A request past its budget whose index found no room in the 
 scratch) is flagged ``direct``: the attention kernel reads its whole sequence from its ``req_to_token`` row
 (dense, counted in ``dense_fallback_steps``). The same steps run on the CPU with the kernels' torch twins
 (``manager.use_kernels`` off).
+
+Token lists live in *list rows*, one per request that decodes, ``H`` lists each. With ``select_every`` k > 1 a
+request keeps its list row (and its lists of every sparse layer) across steps: it selects at one step (``fresh``)
+and for the next k - 1 steps skips selection and emission and attends to its kept lists plus the tokens decoded
+since (``tail_from``). Its batch row may change in between; its list row does not. With k = 1 the list row is the
+batch row and every row is fresh.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ SPLITS = 8  # flash-decoding splits of a list
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
 NR = len(RANGE_FIELDS)
+# per batch row after the ranges: request row, length, budget left for retrieved units, dense fallback, whether it
+# selects this step, its list row, where its tail starts
+EXTRA = ("row", "seq", "budget", "direct", "fresh", "list_row", "tail_from")
 UNPLACED = [0] * NR                        # the ranges of a request without an index in the pools
-PADDING_ROW = UNPLACED + [0, 1, 0, 0]      # a batch row past the requests: one token of request row 0
+PADDING_ROW = UNPLACED + [0, 1, 0, 1, 0, 0, 0]   # a batch row past the requests: one token of request row 0
 
 
 class PooledDecode:
@@ -56,15 +65,22 @@ class PooledDecode:
         def i32(n):
             return torch.zeros(n, dtype=torch.int32, device=dev)
 
-        # per batch row: pool ranges and scratch rows, request row, length, budget left for retrieved units,
-        # dense fallback; filled by one copy per step
-        self.table = torch.zeros(NR + 4, max_bs, dtype=torch.int32, device=dev)
+        # per batch row: pool ranges and scratch rows, then EXTRA; filled by one copy per step
+        self.table = torch.zeros(NR + len(EXTRA), max_bs, dtype=torch.int32, device=dev)
         self.fields = tuple(self.table)
         self.ranges = self.table[:NR]
         self.staging = StagedUpload(self.table)
-        self.rows, self.seq, self.budget, self.direct = self.fields[NR:]
+        self.rows, self.seq, self.budget, self.direct, self.fresh, self.list_rows, self.tail_from = self.fields[NR:]
         self.scratch = scratch(SCRATCH_PER_FINE_ROW * pools.capacity.fine, H, dev)
-        self.lens, self.windows, self.counts = i32(max_bs * H), i32(max_bs * H * self.cap), i32(max_bs * H * parts)
+        # kept lists: one set per sparse layer when they outlive the step, else one set that every layer rewrites
+        self.every = cfg.select_every
+        kept = pools.layers if self.every > 1 else 1
+        self.lens, self.windows = i32(kept * max_bs * H), i32(kept * max_bs * H * self.cap)
+        self.counts = i32(max_bs * H * parts)
+        self.owner = [None] * max_bs   # the RequestState whose lists a list row holds (select_every > 1)
+        if kept > 1:
+            logger.info("sparse-kv: token lists kept across %d steps: %.1f MiB for %d batch rows", self.every,
+                        (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
@@ -83,9 +99,43 @@ class PooledDecode:
         self.layer_heads = [every] * pools.layers if roles is None else [
             torch.tensor(r, dtype=torch.int32, device=dev) if r else None for r in roles]
 
-    def token_list(self, j: int) -> torch.Tensor:
-        """The KV slots list ``j`` (batch row * KV heads + head) attended to in the last ``attend``."""
-        return self.windows[j * self.cap:j * self.cap + int(self.lens[j])]
+    def token_list(self, j: int, sparse_layer: int = 0) -> torch.Tensor:
+        """The KV slots of list ``j`` (list row * KV heads + head) in ``sparse_layer``'s lists."""
+        lens, windows = self._layer_lists(sparse_layer)
+        return windows[j * self.cap:j * self.cap + int(lens[j])]
+
+    def _layer_lists(self, sparse_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lens, windows) of a sparse layer: its own when lists are kept across steps."""
+        i = sparse_layer if self.every > 1 else 0
+        n = self.max_bs * self.H
+        return self.lens[i * n:(i + 1) * n], self.windows[i * n * self.cap:(i + 1) * n * self.cap]
+
+    def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
+        """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
+        lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken)."""
+        if self.every == 1 or state is None:
+            return i, 1, S
+        kept = state.lists
+        if kept is not None and kept[0] is self and self.owner[kept[1]] is state:
+            if S - kept[2] < self.every:
+                return kept[1], 0, kept[2]
+            r = kept[1]
+        else:
+            r = self._claim(state, batch)
+        state.lists = (self, r, S)
+        return r, 1, S
+
+    def _claim(self, state, batch: set[int]) -> int:
+        """A list row for ``state``: a free one, else one whose owner finished or is not in this batch (``batch``:
+        ids of the batch's states)."""
+        live = self.manager.states
+        for r, owner in enumerate(self.owner):
+            if owner is None or live.get(owner.row) is not owner:
+                break
+        else:
+            r = next(r for r, owner in enumerate(self.owner) if id(owner) not in batch)
+        self.owner[r] = state
+        return r
 
     def fill_idle(self, bs: int) -> None:
         """Safe contents for capture: every row a one-token dense request on request row 0."""
@@ -99,31 +149,38 @@ class PooledDecode:
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
-        table = []   # per batch row: RANGE_FIELDS, request row, length, budget, dense fallback
-        so, room, direct_rows, attended, scored = 0, self.scratch[0].shape[1], 0, 0, 0
-        for row, S, segs in zip(rows, seq_lens, segments):
+        table = []   # per batch row: RANGE_FIELDS, then EXTRA
+        so, room, direct_rows, attended, scored, reused = 0, self.scratch[0].shape[1], 0, 0, 0, 0
+        states = [m.states.get(row) for row in rows]
+        batch = {id(st) for st in states}
+        for i, (row, S, segs, state) in enumerate(zip(rows, seq_lens, segments, states)):
             need = sum(seg.L for seg in segs)
-            placed = bool(segs) and so + need <= room
+            list_row, fresh, tail_from = self._list_row(state, S, i, batch)
+            placed = bool(segs) and (not fresh or so + need <= room)
             ranges = UNPLACED
-            if placed:   # the own segment is segment 1; without an adopted prefix segment 0 is empty
+            if placed and fresh:   # the own segment is segment 1; without an adopted prefix segment 0 is empty
                 ranges = [0] * 6 * (2 - len(segs))
                 for seg in segs:
                     ranges += (seg.co, seg.P, seg.fo, seg.L, seg.ko, seg.M)
                 ranges.append(so)
                 so += need
             direct = m.needs_sparse(S) and not placed
-            if direct and segs:
+            if direct and segs and fresh:
                 self._scratch_full()
-            table.append(ranges + [row, S, retrieve, direct])
+            if direct and state is not None and state.lists is not None:   # its lists are not written this step:
+                state.lists = (self, list_row, -self.every)                   # it keeps the row, selects next step
+            table.append(ranges + [row, S, retrieve, direct, fresh and not direct, list_row, tail_from])
             direct_rows += direct
+            reused += not (fresh or direct)
             attended += S if direct else min(S, cfg.token_budget)
             scored += 0 if direct or cfg.rerank_factor == 1 or S <= cfg.token_budget else min(S, self.cap_c)
         table += [PADDING_ROW] * (padded_bs - len(rows))
-        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + 4)
+        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + len(EXTRA))
         m.stats["context_tokens"] += sum(seq_lens)
         m.stats["attended_tokens"] += attended
         m.stats["scored_tokens"] += scored
         m.stats["dense_fallback_steps"] += direct_rows
+        m.stats["reused_list_steps"] += reused
         if DEBUG:
             check_table(table.T, len(rows), m.pools.capacity, room, req_to_token.shape)
         self.staging.host().numpy()[:, :padded_bs] = table.T
@@ -145,7 +202,8 @@ class PooledDecode:
         bs = q.shape[0]
         cfg, n = self.cfg, bs * self.H
         r = slice(0, bs)
-        lens, windows = self.lens[:n], self.windows[:n * self.cap]
+        lens, windows = self._layer_lists(sparse_layer)
+        lists_at = (self.list_rows[r], self.fresh[r])
         heads = self.layer_heads[sparse_layer]
         if heads is not None:
             coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
@@ -153,30 +211,30 @@ class PooledDecode:
             qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
             sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
                               self.parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
-            reranked = cfg.rerank_factor > 1
+            reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
             cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
             self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
                       cfg.sink_tokens, cfg.recent_window, self.cap_c, dense_limit=cfg.token_budget,
                       max_chunk=cfg.chunk_max, parts=self.parts, heads=heads,
-                      out=(*cand, self.counts[:n * self.parts]))
+                      out=(*cand, self.counts[:n * self.parts]), lists_at=lists_at)
             if reranked:
                 self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
                             self.cap, cfg.token_budget, (lens, windows), self.rerank_space, heads)
-        direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
+        direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token, self.tail_from[r])
         if self.workspace is None:
-            return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts[:n], windows, scale, lens=lens,
-                                               direct=direct)
+            return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts, windows, scale, lens=lens,
+                                               direct=direct, list_rows=self.list_rows[r])
         opart, lse = self.workspace
         ws = (opart[:opart.numel() // self.max_bs * bs], lse[:lse.numel() // self.max_bs * bs])
-        return sparse_decode_attention(q, k_buf, v_buf, self.starts[:n], windows, scale, num_splits=SPLITS,
-                                       workspace=ws, lens=lens, direct=direct)
+        return sparse_decode_attention(q, k_buf, v_buf, self.starts, windows, scale, num_splits=SPLITS,
+                                       workspace=ws, lens=lens, direct=direct, list_rows=self.list_rows[r])
 
 
 def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> None:
     """Debug mode: every batch row's segments lie inside the pools and its scratch rows inside the scratch, its
     request row and length inside req_to_token; scratch rows of two batch rows never overlap."""
     f = dict(zip(RANGE_FIELDS, table))
-    rows, seq, _, direct = table[NR:]
+    rows, seq, _, direct = table[NR:NR + 4]
     end = 0
     for i in range(bs):
         for s in "01":

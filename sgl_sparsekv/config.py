@@ -68,6 +68,9 @@ class SparseKVConfig:
     # tokens, whose keys are scored exactly; the budget's best of them by the query group's attention are attended.
     # Values read stay the budget's, keys read grow by the factor. 1: off.
     rerank_factor: int = 1
+    # A request selects its tokens every `select_every` decode steps and reuses them in between, attending to the
+    # tokens decoded since beside them (RACC: adjacent steps attend alike). 1: every step.
+    select_every: int = 1
     # --- quest ---
     page_size: int = 16
 
@@ -75,7 +78,7 @@ class SparseKVConfig:
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
                    "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles",
-                   "rerank_factor"),
+                   "rerank_factor", "select_every"),
         "quest": ("page_size",),
     }
 
@@ -100,7 +103,7 @@ class SparseKVConfig:
                 name = f.type
                 raise ConfigError(f"sparse-kv config: key {f.name!r} must be {name}, got {type(v).__name__} {v!r}")
         positive = ("token_budget", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                    "kmeans_iters", "page_size", "coarse_expand", "index_pool_scale")
+                    "kmeans_iters", "page_size", "coarse_expand", "index_pool_scale", "select_every")
         for k in positive:
             if getattr(self, k) <= 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")
@@ -124,6 +127,9 @@ class SparseKVConfig:
             from sgl_sparsekv import head_roles
 
             head_roles.validate(self.head_roles)
+            if self.select_every > 1 and (self.head_roles != "all-retrieval" or self.rerank_factor > 1):
+                raise ConfigError("sparse-kv config: select_every > 1 needs head_roles 'all-retrieval' and "
+                                  "rerank_factor 1 (reused token lists are kept per layer for retrieval heads only)")
         if self.enabled:
             # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
             # leave room for at least one retrieved unit beside the sink and the window.

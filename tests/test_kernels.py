@@ -76,8 +76,10 @@ def test_budget_larger_and_smaller_than_sequence():
     assert rel_err(out[0], dense) < 1e-2
 
 
-def run_direct_case(seqs, num_slots, splits, G=4, D=64, H=2, seed=0):
-    """Requests flagged direct attend to their whole req_to_token row; the others to their lists."""
+def run_direct_case(seqs, num_slots, splits, G=4, D=64, H=2, seed=0, tail=False):
+    """Requests flagged direct attend to their whole req_to_token row; the others to their lists (and, with
+    ``tail``, to their row's positions from ``tail_from`` on: lists reused from an earlier step, at list rows
+    other than their batch rows)."""
     gen = torch.Generator().manual_seed(seed)
     bs = len(seqs)
     q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
@@ -88,9 +90,15 @@ def run_direct_case(seqs, num_slots, splits, G=4, D=64, H=2, seed=0):
     rows = torch.arange(bs, 0, -1, dtype=torch.int32, device=DEV)   # not the batch order
     flags = torch.tensor([i % 2 for i in range(bs)], dtype=torch.int32, device=DEV)
     direct = (flags, rows, torch.tensor(seqs, dtype=torch.int32, device=DEV), req_to_token)
+    tail_from = [max(0, S - int(torch.randint(0, 9, (1,), generator=gen))) for S in seqs]
+    list_rows = None
+    if tail:
+        direct += (torch.tensor(tail_from, dtype=torch.int32, device=DEV),)
+        list_rows = torch.arange(bs - 1, -1, -1, dtype=torch.int32, device=DEV)
     out = torch.full_like(q, float("nan"))
-    sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=splits, direct=direct)
-    ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5, direct=direct)
+    sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=splits, direct=direct,
+                            list_rows=list_rows)
+    ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5, direct=direct, list_rows=list_rows)
     assert not torch.isnan(out).any(), "unwritten output"
     assert rel_err(out, ref) < 1e-2
     # a direct request's output is plain attention over its row, whatever its list held
@@ -99,10 +107,19 @@ def run_direct_case(seqs, num_slots, splits, G=4, D=64, H=2, seed=0):
     for h in range(H):
         p = torch.softmax(q[b, h * G:(h + 1) * G].float() @ k[row, h].float().T * D ** -0.5, -1)
         assert rel_err(out[b, h * G:(h + 1) * G], p @ v[row, h].float()) < 1e-2
+    # a request with a tail attends to its list and then its row's positions tail_from .. seq_len
+    b = 0
+    lr = bs - 1 if tail else b
+    lst = indices[int(indptr[lr * H]):int(indptr[lr * H + 1])].long()
+    slots = torch.cat([lst, req_to_token[int(rows[b]), tail_from[b] if tail else seqs[b]:seqs[b]].long()])
+    p = torch.softmax(q[b, :G].float() @ k[slots, 0].float().T * D ** -0.5, -1)
+    assert rel_err(out[b, :G], p @ v[slots, 0].float()) < 1e-2
+    assert not tail or any(t < S for t, S in zip(tail_from[::2], seqs[::2])), "no tail exercised"
 
 
-def test_sparse_decode_direct_rows():
-    run_direct_case([30, 150, 7, 260], 400, splits=3)
+@pytest.mark.parametrize("tail", [False, True])
+def test_sparse_decode_direct_rows(tail):
+    run_direct_case([30, 150, 7, 260], 400, splits=3, tail=tail)
 
 
 @pytest.mark.parametrize("minmax", [False, True])
@@ -237,8 +254,9 @@ def test_sparse_decode_real_shapes(bs, G, D):
 
 
 @pytest.mark.gpu
-def test_sparse_decode_direct_rows_real_shapes():
-    run_direct_case([1000, 33_000, 4096, 65_000], 140_000, splits=8, G=4, D=128, H=8)
+@pytest.mark.parametrize("tail", [False, True])
+def test_sparse_decode_direct_rows_real_shapes(tail):
+    run_direct_case([1000, 33_000, 4096, 65_000], 140_000, splits=8, G=4, D=128, H=8, tail=tail)
 
 
 @pytest.mark.gpu

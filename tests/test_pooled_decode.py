@@ -97,6 +97,8 @@ class TwinWorld(World):
         self.qgen = torch.Generator().manual_seed(seed + 1)
         self.lists_checked = 0
         self.overflow = set()   # request rows whose step found no room in the selection scratch (dense)
+        self.kept = {}   # select_every > 1: (request row, sparse layer) -> (mask, length) at its last selection
+        self.reused = 0
 
     def append_tokens(self, reqs):
         """Each request samples one token: its KV is written. -> (rows, lengths, host token ids)."""
@@ -139,6 +141,8 @@ class TwinWorld(World):
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
         self.overflow = {row for i, row in enumerate(rows) if int(self.decoder.direct[i])}
+        fresh = self.decoder.fresh[:len(rows)].tolist()
+        list_rows = self.decoder.list_rows[:len(rows)].tolist()
         scale = D ** -0.5
         inherited = {}   # hybrid heads: each request's masks as the last retrieval head of each KV head left them
         for l in range(self.cfg.dense_layers, LAYERS):
@@ -147,16 +151,24 @@ class TwinWorld(World):
             out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, scale)
             retrieving = range(H) if self.roles is None else self.roles[sl]
             for i, (row, S) in enumerate(zip(rows, seqs)):
-                own = self.spec_mask(row, S, sl, q[i])
+                if fresh[i] or row in self.overflow:
+                    own = self.spec_mask(row, S, sl, q[i])
+                    self.kept[row, sl] = (own, S)
+                    tail = own
+                else:   # the lists of its last selection, then every token decoded since
+                    own, S_sel = self.kept[row, sl]
+                    tail = torch.cat([own, torch.ones(H, S - S_sel, dtype=torch.bool)], 1)
+                    self.reused += not bool(own.all())   # reuses a sparse selection
                 mask = inherited.setdefault(row, own.clone())
                 for h in retrieving:
                     mask[h] = own[h]
                 for h in range(H if row not in self.overflow else 0):   # a dense row reads its whole sequence
-                    j = i * H + h
-                    got = self.decoder.token_list(j).tolist()
-                    want = r2t[row, :S][mask[h]].tolist()
+                    got = self.decoder.token_list(list_rows[i] * H + h, sl).tolist()
+                    want = r2t[row, :len(own[h])][mask[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
                     self.lists_checked += 1
+                if self.roles is None:
+                    mask = tail
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, scale)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
 
@@ -248,10 +260,13 @@ def test_adopters_of_one_prefix_decode_over_one_shared_segment():
     assert all(a.free_rows == a.capacity for a in m.pools.alloc.values())
 
 
-def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely():
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely(every):
     """The selection scratch holds the clusters of the first request only: the second decodes over its whole
-    sequence that step (attention equal to dense, counted as a dense fallback), the first stays sparse."""
-    w = TwinWorld(2)
+    sequence that step (attention equal to dense, counted as a dense fallback), the first stays sparse. With
+    select_every 3 the rows take turns: a step where the first reuses its lists leaves the scratch to the second,
+    and a row that decoded densely selects at its next step."""
+    w = TwinWorld(2, {"select_every": every})
     w.rng = random.Random(2)
     w.docs = [d * 2 for d in w.docs]
     for _ in range(2):
@@ -261,10 +276,15 @@ def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely():
     rows = sum(seg.L for seg in first.segments)
     w.decoder.scratch = tuple(t[:, :rows].contiguous() for t in w.decoder.scratch)
     before = w.pooled.stats["dense_fallback_steps"]
-    for _ in range(3):
+    overflows = []
+    for _ in range(6 if every > 1 else 3):
         w.decode_batch(list(w.live))
-        assert w.overflow == {w.live[1].req_pool_idx}
-    assert w.pooled.stats["dense_fallback_steps"] - before == 3 == w.pooled.stats["scratch_full_steps"]
+        overflows.append(w.overflow)
+    if every == 1:
+        assert overflows == [{w.live[1].req_pool_idx}] * 3
+        assert w.pooled.stats["dense_fallback_steps"] - before == 3 == w.pooled.stats["scratch_full_steps"]
+    else:
+        assert {w.live[1].req_pool_idx} in overflows and set() in overflows and w.reused > 0, overflows
 
 
 def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
@@ -282,10 +302,35 @@ def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
     assert w.pooled.stats["grafts"] > 0 and w.lists_checked > 100
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_select_every_reuses_lists_between_selections(seed):
+    """select_every 3: a request selects at one step and attends to those lists plus the tokens decoded since for
+    the next two steps, in every sparse layer, while requests join and leave (so batch rows move and list rows are
+    claimed again); each step is checked against the spec at the step its lists were selected."""
+    w = TwinWorld(seed, {"select_every": 3})
+    w.rng = random.Random(seed)
+    w.docs = [d * 2 for d in w.docs]
+    for step in range(16):
+        r = w.rng.random()
+        if (r < 0.35 and len(w.live) < 3) or not w.live:
+            w.start()
+        elif r < 0.85:
+            for _ in range(w.rng.randrange(1, 8)):
+                w.decode_batch(w.rng.sample(w.live, len(w.live)))   # batch order changes from step to step
+        else:
+            w.finish(w.rng.choice(w.live), abort=w.rng.random() < 0.3)
+    for _ in range(30):   # grafts wait for the recent window's edge
+        w.decode_batch(list(w.live))
+    st = w.pooled.stats
+    assert w.reused > 0 and st["reused_list_steps"] > 0 and st["grafts"] > 0 and w.lists_checked > 200
+    assert st["dense_fallback_steps"] == 0
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("no_sync,roles,rerank", [(False, "all-retrieval", 1), (True, "all-retrieval", 1),
-                                                  (False, "staggered-0.5", 1), (True, "staggered-0.5", 2)])
-def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, monkeypatch):
+@pytest.mark.parametrize("no_sync,roles,rerank,every", [(False, "all-retrieval", 1, 1), (True, "all-retrieval", 1, 1),
+                                                        (False, "staggered-0.5", 1, 1), (True, "staggered-0.5", 2, 1),
+                                                        (True, "all-retrieval", 1, 4)])
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
     selected, and those lists are the ones the same orchestration picks with the kernels' torch twins (twin grafts,
@@ -294,7 +339,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     ``no_sync``: every decode step's host work runs with CUDA's sync check set to raise (debug checks off, as
     in serving): cutting, summarizing and grafting units never waits for the GPU. ``roles``: hybrid heads, whose
     sparse heads' lists must survive from one captured layer to the next. ``rerank``: the two-stage selection's
-    factor (its candidates' keys scored in the graph too)."""
+    factor (its candidates' keys scored in the graph too). ``every``: select_every (lists kept per layer across
+    steps, attended with the tokens decoded since)."""
     from sgl_sparsekv.config import SparseKVConfig
 
     if no_sync:
@@ -303,7 +349,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
-                                                "head_roles": roles, "rerank_factor": rerank})
+                                                "head_roles": roles, "rerank_factor": rerank, "select_every": every})
     lens = [20_000, 9_000, 31_000]
     slots = sum(lens) + 4096
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -330,7 +376,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     twin = PooledDecode(ref, max_bs=4, q_heads=Hk * Gq)
     q = torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16)
     outs = [torch.zeros(4, Hk * Gq, d, device=dev, dtype=torch.bfloat16) for _ in range(1, layers)]
-    lists = [(dec.lens.clone(), dec.windows.clone()) for _ in range(1, layers)]   # each layer's, kept by the graph
+    # each layer's lists, copied by the graph (with select_every 1 every layer rewrites one set)
+    lists = [tuple(t.clone() for t in dec._layer_lists(l - 1)) for l in range(1, layers)]
     seqs, n, cap = list(lens), 3 * Hk, cfg.token_budget
 
     def step(capture=None):
@@ -346,8 +393,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     def run_layers():
         for l in range(1, layers):
             outs[l - 1].copy_(dec.attend(q, k[l], v[l], l - 1, r2t, d ** -0.5))
-            lists[l - 1][0].copy_(dec.lens)
-            lists[l - 1][1].copy_(dec.windows)
+            for dst, src in zip(lists[l - 1], dec._layer_lists(l - 1)):
+                dst.copy_(src)
 
     def sorted_lists(lens, windows):
         w = windows[:n * cap].view(n, cap).long()
@@ -355,10 +402,12 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
 
     step()
     run_layers()                                 # warm up (Triton compiles) outside the graph
+    for l in range(1, layers):                   # the twin too: with select_every its lists outlive the step
+        twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run_layers()
-    direct = (dec.direct[:3], dec.rows[:3], dec.seq[:3], r2t)
+    direct = (dec.direct[:3], dec.rows[:3], dec.seq[:3], r2t, dec.tail_from[:3])
     checked, near_ties = 0, []
     for it in range(90):   # grafts wait for the recent window's edge (64 tokens)
         nxt += 3
@@ -367,11 +416,12 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         torch.cuda.synchronize()
         for l in range(1, layers):
             got_lens, got = lists[l - 1]
-            own = sparse_decode_attention_ref(q[:3], k[l], v[l], dec.starts[:n], got, d ** -0.5, lens=got_lens[:n],
-                                              direct=direct)
+            own = sparse_decode_attention_ref(q[:3], k[l], v[l], dec.starts, got, d ** -0.5, lens=got_lens,
+                                              direct=direct, list_rows=dec.list_rows[:3])
             assert torch.allclose(outs[l - 1][:3].float(), own.float(), atol=2e-2, rtol=2e-2), (it, l)
             twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
-            (a_len, a), (b_len, b) = sorted_lists(got_lens, got), sorted_lists(twin.lens, twin.windows)
+            assert torch.equal(twin.list_rows[:3], dec.list_rows[:3]) and torch.equal(twin.fresh[:3], dec.fresh[:3])
+            (a_len, a), (b_len, b) = sorted_lists(got_lens, got), sorted_lists(*twin._layer_lists(l - 1))
             assert torch.equal(a_len, b_len), (it, l)
             for j in (a != b).any(1).nonzero().flatten().tolist():
                 swapped = int((~torch.isin(a[j], b[j])).sum())
@@ -381,6 +431,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     assert len(near_ties) <= checked // 100, near_ties
     assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
+    assert (pooled.stats["reused_list_steps"] > 0) == (every > 1)
     # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
     done = pooled.states[rows[0]]
     grafted = done.units[:done.pooled_chunks]

@@ -261,3 +261,67 @@ def test_requests_over_one_shared_segment(ops):
             got = windows[i * cap:i * cap + int(lens_out[i])].tolist()
             assert sorted(got) == sorted(r2t[int(rows[b]), :S][mask[h]].tolist()), (b, h)
         assert ref.sum() > 0 and int(lens_out[b * H]) > sink + recent
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_rows_over_two_prefixes_interleaved(parts):
+    """A batch mixing two adopted prefixes (rows 0, 3 over one, rows 2, 4 over the other), a row without one and a
+    row without an index: the kernel computes each shared segment's bounds once, in the programs of its first row,
+    for every row reading it. Selections equal the reference for the retrieval heads; the other head's picks and
+    every row's scratch outside its own columns stay untouched."""
+    gen = torch.Generator().manual_seed(21)
+    H, G, D = 3, 2, 64
+    prefixes, p_starts, p_lens, _ = make_batch(2, H, G, D, [120, 90], gen)
+    own, own_starts, own_lens, q = make_batch(6, H, G, D, [20, 60, 5, 33, 12, 1], gen)
+    coarse, fine, chunks, packed = pack([*prefixes, *own], [*p_starts, *own_starts], [*p_lens, *own_lens], DEV)
+    F_ = {name: i for i, name in enumerate(RANGE_FIELDS)}
+    adopted = [0, None, 1, 0, 1, None]
+    ranges = packed[:, 2:].clone()
+    for b, p in enumerate(adopted):
+        if p is not None:
+            for s in ("co", "P", "fo", "L", "ko", "M"):
+                ranges[F_[s + "0"], b] = packed[F_[s + "1"], p]
+    ranges[:, 5] = 0   # a row without an index in the pools (dense fallback or padding)
+    L = ranges[F_["L0"]] + ranges[F_["L1"]]
+    ranges[F_["so"]] = 7 + torch.cumsum(L, 0) - L
+    rows = int(7 + L.sum()) + 5
+    heads = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    rem = torch.tensor([100, 300, 60, 1000, 200, 50], dtype=torch.int32, device=DEV)
+    got, want = (op(q.to(DEV), coarse, fine, ranges, rem, 3.0, parts=parts, heads=heads, radius_weight=0.5,
+                    out=(torch.full((H, rows), -5.0, device=DEV), torch.full((H, rows), -7.0, device=DEV))).cpu()
+                 for op in (select_fine, select_fine_ref))
+    assert torch.equal(got, want)
+    assert (got[1] == -7.0).all() and (got[:, :7] == -7.0).all() and (got[:, int(7 + L.sum()):] == -7.0).all()
+    assert all((got[h, 7:int(7 + L.sum())] > 0).sum() > 0 for h in (0, 2))
+
+
+@pytest.mark.parametrize("ops", [(select_fine, emit_tokens), (select_fine_ref, emit_tokens_ref)])
+def test_emit_into_list_rows_skips_stale_rows(ops):
+    """``lists_at``: a fresh batch row writes its lists at its list row (not its batch row); a row reusing lists
+    of an earlier step (not fresh) leaves every list as it was."""
+    select, emit = ops
+    gen = torch.Generator().manual_seed(17)
+    bs, H, G, D = 3, 2, 2, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [50, 40, 60], gen)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
+    cap, sink, recent = 200, 16, 64
+    seq = torch.tensor([int(s[-1] + l[-1]) + 10 for s, l in zip(starts, lens)], dtype=torch.int32, device=DEV)
+    r2t = (torch.arange(3 * 2048, dtype=torch.int32).view(3, 2048) + 1).to(DEV)
+    rows = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEV)
+    rem = torch.tensor([cap - sink - recent] * bs, dtype=torch.int32, device=DEV)
+    sel = select(q.to(DEV), coarse, fine, ranges, rem, 4.0, parts=2)
+
+    def run(lists_at, n_rows):
+        lists = (torch.full((n_rows * H,), -1, dtype=torch.int32, device=DEV),
+                 torch.full((n_rows * H * cap,), -1, dtype=torch.int32, device=DEV),
+                 torch.empty(bs * H * 2, dtype=torch.int32, device=DEV))
+        out = emit(sel, chunks, ranges, rows, seq, r2t, sink, recent, cap, parts=2, out=lists, lists_at=lists_at)
+        return out[0].cpu().view(n_rows, H), out[1].cpu().view(n_rows, H, cap)
+
+    lens_all, win_all = run(None, bs)
+    at = tuple(torch.tensor(x, dtype=torch.int32, device=DEV) for x in ([4, 0, 2], [1, 0, 1]))
+    lens_at, win_at = run(at, 5)
+    for b, lr in ((0, 4), (2, 2)):
+        assert torch.equal(lens_at[lr], lens_all[b]) and torch.equal(win_at[lr], win_all[b]), b
+    assert (lens_at[[0, 1, 3]] == -1).all() and (win_at[[0, 1, 3]] == -1).all()
+    assert (lens_all > sink + recent).all()
