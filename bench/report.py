@@ -559,6 +559,7 @@ def main():
                      ("gpu_serving_h200_band.json", serving_table),
                      ("gpu_serving_h200_expand32.json", serving_table),
                      ("gpu_serving_h200_qwen05b_roles.json", hybrid_serving_table),
+                     ("gpu_serving_h200_every4.json", hybrid_serving_table),
                      ("gpu_serving_h200_qwen05b.json", serving_table),
                      ("gpu_serving_h200_check.json", serving_table),
                      ("gpu_serving_h100_random.json", serving_table),
