@@ -138,6 +138,34 @@ def query_spans(ids, positions, table, query: str) -> dict:
     return spans
 
 
+def selection_steps(layers, positions, first_sparse: int, every: int, drift: float) -> dict:
+    """{t: s}: the decode step whose selection the step at ``t`` attends with (config ``select_every``: a request
+    selects every ``every`` steps and reuses the lists in between). With ``drift`` > 0 it also selects anew once its
+    query has turned away from the one that selected: the mean cosine over the first sparse layer's query heads
+    below ``drift`` (a refresh a device could decide from the query it holds; not built)."""
+    q = layers[first_sparse][0]                                        # [Hq, T, d]
+    src, s = {}, None
+    for t in positions:
+        if s is not None and t - s < every and drift > 0:
+            turned = float(torch.nn.functional.cosine_similarity(q[:, t], q[:, s], dim=-1).mean()) < drift
+        if s is None or t - s >= every or (drift > 0 and turned):
+            s = t
+        src[t] = s
+    return src
+
+
+def reused_masks(cfg: SparseKVConfig, every: int, drift: float, ids, layers, positions, table) -> dict:
+    """Like :func:`own_masks` for requests that reuse their lists (``selection_steps``): the step at t attends to the
+    mask selected at s and to every token decoded since, (s, t], as ``PooledDecode`` serves it."""
+    src = selection_steps(layers, positions, cfg.dense_layers, every, drift)
+    base = own_masks(cfg, ids, layers, sorted(set(src.values())), table)
+    out = {}
+    for (l, s), m in base.items():
+        for t in (t for t, s_ in src.items() if s_ == s):
+            out[(l, t)] = torch.cat([m, torch.ones(m.shape[0], t - s, dtype=torch.bool, device=m.device)], 1)
+    return out
+
+
 def window(cfg: SparseKVConfig, seq: int) -> tuple[int, int, int]:
     """(sink tokens, recent window, budget past both) of a step over ``seq`` tokens."""
     sink = min(cfg.sink_tokens, seq)
@@ -215,17 +243,19 @@ def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
     out = {}
     for t in range(first, positions[-1] + 1):   # a decode step per token (cuts and grafts as in serving)
         decoder.prepare([0], [t + 1], 1, r2t, [toks], lambda l: k_pool[l])
-        if t not in positions:
+        if t not in positions and cfg.select_every == 1:   # (lists kept across steps are written when selected)
             continue
+        row, tail = int(decoder.list_rows[0]), int(decoder.tail_from[0])
         for l in range(cfg.dense_layers, len(layers)):
             q = layers[l][0][:, t][None].to(k_pool[l].dtype)    # [1, Hq, d]
             decoder.attend(q, k_pool[l], v_pool[l], l - cfg.dense_layers, r2t, d ** -0.5)
             mask = torch.zeros(H, t + 1, dtype=torch.bool, device=dev)
+            mask[:, tail:] = True   # the tokens decoded since the lists were selected
             for h in range(H):
-                w = decoder.token_list(h).long()
+                w = decoder.token_list(row * H + h, l - cfg.dense_layers).long()
                 mask[h, w - 1] = True
             out[(l, t)] = mask
-    return out
+    return {key: m for key, m in out.items() if key[1] in positions}
 
 
 def mask_metrics(layer, t: int, mask: torch.Tensor, budget: int) -> np.ndarray:
@@ -276,6 +306,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
     elif variant in RERANKS:
         masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
+    elif variant in REUSES:
+        masks = reused_masks(cfg, *REUSES[variant], ids, layers, positions, table)
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
@@ -399,6 +431,10 @@ HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("q
 # two-stage selections: lychee's pick at this many times the budget, reranked token by token
 RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
 
+# lists reused across decode steps: (select_every, drift threshold of selection_steps, 0 = none)
+REUSES = {"lychee-every-2": (2, 0.0), "lychee-every-4": (4, 0.0), "lychee-every-16-drift-0.9": (16, 0.9),
+          "lychee-every-16-drift-0.8": (16, 0.8), "lychee-every-4-drift-0.9": (4, 0.9)}
+
 # the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
 ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}
 
@@ -425,6 +461,7 @@ VARIANTS = {
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
     **{v: {} for v in RERANKS},
+    **{v: {} for v in REUSES},
     "lychee-oracle-tokens": {},
     "lychee-oracle-chunks": {},
     "lychee-chunks-4-8": {"chunk_min": 4, "chunk_max": 8},
@@ -534,6 +571,9 @@ def main():
         layers = capture(model, ids)
         res["samples"].append({"sample": name, "tokens": len(ids), "queries": len(positions)})
         for v, cfg in cfgs.items():
+            if (reuse := REUSES.get(v.split("@")[0])) is not None:   # how often the step selects anew
+                src = selection_steps(layers, positions, cfg.dense_layers, *reuse)
+                res["samples"][-1].setdefault("selections", {})[v] = len(set(src.values()))
             got, masks = per_query(cfg, ids, layers, positions, table, v.split("@")[0], budgets)
             per[v].update({(l, f"{name}:{t}"): m for (l, t), m in got.items()})
             if a.explain:

@@ -100,6 +100,19 @@ class TwinWorld(World):
         self.kept = {}   # select_every > 1: (request row, sparse layer) -> (mask, length) at its last selection
         self.reused = 0
 
+    def random_history(self, steps: int, start_below: float, decodes: int, shuffle: bool = False):
+        """``steps`` random events: a request starts (while fewer than 3 live), a run of decode steps, or a request
+        finishes (some abort); ``shuffle``: each decode step takes the batch in a new order."""
+        for _ in range(steps):
+            r = self.rng.random()
+            if (r < start_below and len(self.live) < 3) or not self.live:
+                self.start()
+            elif r < 0.85:
+                for _ in range(self.rng.randrange(1, decodes)):
+                    self.decode_batch(self.rng.sample(self.live, len(self.live)) if shuffle else list(self.live))
+            else:
+                self.finish(self.rng.choice(self.live), abort=self.rng.random() < 0.3)
+
     def append_tokens(self, reqs):
         """Each request samples one token: its KV is written. -> (rows, lengths, host token ids)."""
         rows, seqs = [], []
@@ -177,15 +190,7 @@ class TwinWorld(World):
 def test_pooled_decode_equals_spec_under_radix_history(seed):
     w = TwinWorld(seed)
     w.rng = random.Random(seed)
-    for step in range(14):
-        r = w.rng.random()
-        if (r < 0.4 and len(w.live) < 3) or not w.live:
-            w.start()
-        elif r < 0.85:
-            for _ in range(w.rng.randrange(1, 12)):
-                w.decode_batch(list(w.live))
-        else:
-            w.finish(w.rng.choice(w.live), abort=w.rng.random() < 0.3)
+    w.random_history(14, 0.4, 12)
     for _ in range(6):
         w.decode_batch(list(w.live))
     st = w.pooled.stats
@@ -310,15 +315,7 @@ def test_select_every_reuses_lists_between_selections(seed):
     w = TwinWorld(seed, {"select_every": 3})
     w.rng = random.Random(seed)
     w.docs = [d * 2 for d in w.docs]
-    for step in range(16):
-        r = w.rng.random()
-        if (r < 0.35 and len(w.live) < 3) or not w.live:
-            w.start()
-        elif r < 0.85:
-            for _ in range(w.rng.randrange(1, 8)):
-                w.decode_batch(w.rng.sample(w.live, len(w.live)))   # batch order changes from step to step
-        else:
-            w.finish(w.rng.choice(w.live), abort=w.rng.random() < 0.3)
+    w.random_history(16, 0.35, 8, shuffle=True)   # batch order changes from step to step
     for _ in range(30):   # grafts wait for the recent window's edge
         w.decode_batch(list(w.live))
     st = w.pooled.stats

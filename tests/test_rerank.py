@@ -154,6 +154,32 @@ def test_served_rerank_selects_what_the_analysis_measured():
     assert any(not torch.equal(got[key], plain[key]) for key in want)
 
 
+def test_served_reuse_attends_what_the_analysis_measured():
+    """``select_every`` 3 through the serving path (``PooledDecode``, the kernels' twins on the CPU) over five
+    decode steps attends, at each step, exactly ``bench.attention_recall``'s lychee-every-3 mask: the lists of the
+    step that selected and every token decoded since."""
+    import dataclasses
+
+    from bench.attention_recall import own_masks, reused_masks, selection_steps, served_masks
+    from sgl_sparsekv.config import SparseKVConfig
+    from tests.test_head_roles import PLANTED, planted_layers
+
+    T = PLANTED[0]
+    table, ids, layers = planted_layers(3)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    positions = list(range(T - 6, T - 1))
+    assert sorted(set(selection_steps(layers, positions, cfg.dense_layers, 3, 0.0).values())) == [T - 6, T - 3]
+    want = reused_masks(cfg, 3, 0.0, ids, layers, positions, table)
+    got = served_masks(dataclasses.replace(cfg, select_every=3), ids, layers, positions, table)
+    assert want.keys() == got.keys() and len(got) == len(positions) * (len(layers) - cfg.dense_layers)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    l = cfg.dense_layers
+    assert torch.equal(got[(l, T - 4)][:, :T - 5], got[(l, T - 6)]) and got[(l, T - 4)][:, T - 5:].all()
+    own = own_masks(cfg, ids, layers, positions, table)   # each step's own selection differs from the reused one
+    assert any(not torch.equal(want[key], own[key]) for key in want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,D,factor", [(4, 128, 2), (7, 64, 2), (4, 128, 4)])
 def test_rerank_real_shapes(G, D, factor):
