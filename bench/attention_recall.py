@@ -511,6 +511,14 @@ def calibrate_budgets(model, tok, table, cfg: SparseKVConfig, length: int, queri
 METRICS = ("mass_recall", "mass_recall_min", "topk_recall", "out_rel_err", "kv_read")
 
 
+def selected_share(result: dict, variant: str) -> dict:
+    """{"selected_steps": share of the queried steps that select anew} of a variant that reuses lists, else {}."""
+    if variant.split("@")[0] not in REUSES:
+        return {}
+    picks = sum(s["selections"][variant] for s in result["samples"])
+    return {"selected_steps": round(picks / sum(s["queries"] for s in result["samples"]), 4)}
+
+
 def merge(results: list[dict]) -> dict:
     """Several ``--task`` results of one model, budget and length -> per task, each variant's summary (no per-layer
     rows), and each variant's mean over the tasks."""
@@ -518,11 +526,12 @@ def merge(results: list[dict]) -> dict:
     assert all((r["model"], r["budget"], r["length"]) == (first["model"], first["budget"], first["length"])
                for r in results), "results of different models, budgets or lengths"
     tasks = {r["task"]: {"samples": [s["sample"] for s in r["samples"]],
-                         "variants": {v: {k: round(x[k], 4) for k in METRICS} for v, x in r["variants"].items()}}
+                         "variants": {v: {k: round(x[k], 4) for k in METRICS} | selected_share(r, v)
+                                      for v, x in r["variants"].items()}}
              for r in results}
     variants = [v for v in first["variants"] if all(v in t["variants"] for t in tasks.values())]
-    mean = {v: {k: round(float(np.mean([t["variants"][v][k] for t in tasks.values()])), 4) for k in METRICS}
-            for v in variants}
+    mean = {v: {k: round(float(np.mean([t["variants"][v][k] for t in tasks.values()])), 4)
+                for k in (*METRICS, "selected_steps") if k in tasks[first["task"]]["variants"][v]} for v in variants}
     return {"model": first["model"], "device": first["device"], "budget": first["budget"], "length": first["length"],
             "tasks": tasks, "mean_over_tasks": mean}
 

@@ -481,12 +481,15 @@ def merged_recall_table(path: Path) -> str:
     r = json.loads(path.read_text())
     tasks = list(r["tasks"])
     n = sum(len(t["samples"]) for t in r["tasks"].values())
+    reuse = any("selected_steps" in m for m in r["mean_over_tasks"].values())   # lists reused across steps
     rows = [(v, *(f"{r['tasks'][t]['variants'][v]['mass_recall']:.3f}" for t in tasks),
-             f"{m['mass_recall']:.3f}", f"{m['out_rel_err']:.3f}", f"{m['kv_read']:.1%}")
+             f"{m['mass_recall']:.3f}", f"{m['out_rel_err']:.3f}", f"{m['kv_read']:.1%}",
+             *([f"{m['selected_steps']:.0%}" if "selected_steps" in m else "100%"] if reuse else []))
             for v, m in r["mean_over_tasks"].items()]
     return md_table(f"{r.get('what', 'Attention-mass recall')}, {r['model']}, {r['length']} tokens, budget "
                     f"{r['budget']}, {n} samples, {r['device']} (`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["variant", *tasks, "mean", "output error (mean)", "KV read"], rows)
+                    ["variant", *tasks, "mean", "output error (mean)", "KV read",
+                     *(["decode steps that select"] if reuse else [])], rows)
 
 
 def tp_fidelity_table(path: Path) -> str:
@@ -573,6 +576,7 @@ def main():
                      ("selection_breakdown_expand.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", bounds_kernel_table),
                      ("attention_recall_qwen_expand_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_reuse_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_expand.json", recall_table),
                      ("index_build_h100_fine1.json", build_table),
                      ("gpu_serving_h100_chains.json", variants_serving_table),
