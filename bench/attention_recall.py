@@ -146,9 +146,8 @@ def selection_steps(layers, positions, first_sparse: int, every: int, drift: flo
     q = layers[first_sparse][0]                                        # [Hq, T, d]
     src, s = {}, None
     for t in positions:
-        if s is not None and t - s < every and drift > 0:
-            turned = float(torch.nn.functional.cosine_similarity(q[:, t], q[:, s], dim=-1).mean()) < drift
-        if s is None or t - s >= every or (drift > 0 and turned):
+        if s is None or t - s >= every or (
+                drift > 0 and float(torch.nn.functional.cosine_similarity(q[:, t], q[:, s], dim=-1).mean()) < drift):
             s = t
         src[t] = s
     return src
