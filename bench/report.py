@@ -361,6 +361,34 @@ def lifecycle_table(path: Path) -> str:
                      for v in (r["before"], r["after"])])
 
 
+def step_profile_table(path: Path) -> str:
+    """bench/serving_profile.py: a steady decode step's GPU time by kind of kernel, per method, from one card."""
+    r = json.loads(path.read_text())
+    kinds = ["matmul", "dense_attention", "selection", "sparse_attention", "index_upkeep", "other", "outside_graph",
+             "idle"]
+    period = r["dense"]["period"]
+    rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}", *(f"{r[m].get(k, 0):.2f}" for k in kinds),
+             r[m]["steps"]) for m in r["settings"]["methods"]]
+    return md_table(f"Where a serving step's time goes, {r['device']} ({r['gpu']}), {r['model']}, "
+                    f"{r['settings']['backend']}, CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: "
+                    f"{r['what']}. Step = one replay's first kernel to the next one's; idle = the part of it no kernel "
+                    f"or copy ran in (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["method", "step ms", "vs dense", "matmul", "dense attention", "selection", "sparse attention",
+                     "index upkeep", "other kernels", "outside the graph", "GPU idle", "steps"], rows)
+
+
+def busy_lifecycle_table(path: Path) -> str:
+    r = json.loads(path.read_text())
+    keys = ["adopt_prepare_extend_ms", "adopt_place_index_host_ms", "request_end_host_ms", "build_index_host_ms",
+            "build_index_ms"]
+    return md_table(f"Host time of a request's life events with the GPU idle and busy, {r['device']}: {r['what']}; "
+                    f"commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["GPU before the event", "adoption: prepare_extend", "adoption: index placed (host)",
+                     "request end (host)", "32K build (host)", "32K build (GPU done)"],
+                    [(label, *(r[k][x] for x in keys)) for k, label in (("idle_gpu", "idle"),
+                                                                        ("busy_gpu_20ms", "20 ms of work queued"))])
+
+
 def build_table(path: Path) -> str:
     r = json.loads(path.read_text())
     return md_table(f"Index build for every sparse layer of one prompt, {r['device']}, {r['shape']}, {r['kmeans_iters']} "
@@ -562,6 +590,8 @@ def main():
                      ("gpu_serving_h200_band.json", serving_table),
                      ("gpu_serving_h200_expand32.json", serving_table),
                      ("gpu_serving_h200_qwen05b_roles.json", hybrid_serving_table),
+                     ("serving_profile_h200.json", step_profile_table),
+                     ("host_lifecycle_h200_busy.json", busy_lifecycle_table),
                      ("gpu_serving_h200_every4.json", hybrid_serving_table),
                      ("gpu_serving_h200_qwen05b.json", serving_table),
                      ("gpu_serving_h200_check.json", serving_table),

@@ -1,0 +1,230 @@
+"""Where a batched serving step's time goes: kernel time per decode step, by kind, in the real server.
+
+    python3 -m bench.serving_profile --model /tmp/m8b --out $OUT/profile.json --methods dense lychee
+
+Per method, one server (the same arguments as ``bench.gpu_serving``) decodes ``--batch`` requests over two
+shared 32K-token prefixes (the prefixes are prefilled first, then every request joins in one extend step) for
+``--output-len`` tokens each. Once all of them decode, SGLang's own profiler (``/start_profile``, torch profiler,
+CUPTI) records ``--steps`` forward steps, and the trace is reduced to each CUDA-graph replay (one decode step):
+kernel time by kind (the plugin's selection, its sparse attention, its index upkeep, dense attention, matrix
+products, the rest), the kernels launched outside the graph between two replays, and the GPU's idle time between
+replays (host work the GPU waited for). Every method from the same call on the same card, so the differences
+against dense place the cost of sparse decoding in the step.
+
+With ``--join``, one more request over the first prefix arrives while the batch decodes, and ``--join-steps``
+steps around its prefill are profiled with Python stacks: host time per function of this package (inclusive),
+CUDA runtime and driver calls, and the plugin's counters over that window, to place what a join costs the host
+(a prefill that adopts a cached index and clusters its question's chunks). ``--stream`` reads every request's
+tokens as a stream, as ``sglang.bench_serving`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import random
+import re
+import statistics
+import threading
+import time
+
+import requests
+
+from bench.gpu_serving import COMMON, VARIANTS, WARMUP_TOKENS
+from bench.server import Server
+
+# kernel name -> kind; the first pattern that matches wins
+KINDS = (("selection", r"_coarse_expand_kernel|_fine_bounds_kernel|_cut_kernel|_emit_count_kernel|_emit_write_kernel"
+                       r"|_bounds_kernel|_score_kernel|_keep_kernel"),
+         ("sparse_attention", r"_partial_kernel|_merge_kernel"),
+         ("index_upkeep", r"_graft_kernel|_pool_kernel|_pool_layers_kernel|_assign_kernel|_sums_kernel"),
+         ("dense_attention", r"BatchDecode|BatchPrefill|MergeState|flashinfer|decode_attention|_fwd_"),
+         ("matmul", r"gemm|Gemm|cutlass|nvjet|xmma|cublas|splitK"))
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
+
+
+def step_profile(events: list[dict]) -> dict:
+    """Chrome-trace events of a profiled window -> per decode step (one CUDA-graph replay) means, in ms.
+
+    A kernel belongs to a replay when it carries the correlation id of a ``cudaGraphLaunch`` runtime call; kernels
+    and copies with another id that start between two replays are counted to the later one as ``outside_graph``.
+    ``period`` runs from one replay's first kernel to the next one's, ``idle`` is the part of it no kernel or copy
+    ran in (the GPU waited for the host)."""
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
+    work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+    replays: dict[int, list[dict]] = {}
+    for e in work:
+        if e.get("args", {}).get("correlation") in launches:
+            replays.setdefault(e["args"]["correlation"], []).append(e)
+    order = sorted(replays.values(), key=lambda ks: ks[0]["ts"])
+    if len(order) < 2:
+        raise ValueError(f"the profiled window holds {len(order)} CUDA-graph replays; need at least 2")
+    steps = []
+    for kernels, nxt in zip(order, order[1:]):
+        start, end = kernels[0]["ts"], nxt[0]["ts"]
+        inside = {id(k) for k in kernels}
+        window = [e for e in work if start <= e["ts"] < end]
+        kinds: dict[str, float] = {}
+        for k in kernels:
+            kinds[kind_of(k["name"])] = kinds.get(kind_of(k["name"]), 0.0) + k["dur"]
+        busy, reach = 0.0, start   # the union of the window's busy intervals
+        for e in window:
+            lo, hi = max(e["ts"], reach), min(e["ts"] + e["dur"], end)
+            if hi > lo:
+                busy += hi - lo
+                reach = hi
+        steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
+                      "idle": end - start - busy, "kernels_in_graph": len(kernels),
+                      "outside_graph": sum(e["dur"] for e in window if id(e) not in inside), **kinds})
+    keys = sorted({k for s in steps for k in s})
+    out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
+    out["kernels_in_graph"] = sorted({s["kernels_in_graph"] for s in steps})
+    out["steps"] = len(steps)
+    names: dict[str, float] = {}
+    for kernels in order[:-1]:
+        for k in kernels:
+            names[k["name"]] = names.get(k["name"], 0.0) + k["dur"]
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:15]
+    out["top_kernels_ms"] = {n[:90]: round(t / len(steps) / 1000, 4) for n, t in top}
+    return out
+
+
+# the profiler names a Python function "<file relative to its sys.path entry>(<line>): <name>"; ours live in
+# sgl_sparsekv/ and, installed from this checkout's folders, in kernels/ and patches/
+OURS = ("sgl_sparsekv/", "kernels/", "patches/")
+
+
+def host_profile(events: list[dict], top: int = 25) -> dict:
+    """Chrome-trace events recorded with Python stacks -> ms per name, largest first: this package's Python
+    functions (inclusive time; a recursive call counts at each level), CUDA runtime and driver calls, and the
+    largest torch operators."""
+    def largest(pick) -> dict:
+        sums: dict[str, float] = {}
+        for e in events:
+            if (name := pick(e)) is not None:
+                sums[name] = sums.get(name, 0.0) + e.get("dur", 0.0)
+        return {n: round(t / 1000, 3) for n, t in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
+
+    return {"python_ms": largest(lambda e: e["name"] if e.get("cat") == "python_function"
+                                 and e["name"].startswith(OURS) else None),
+            "cuda_api_ms": largest(lambda e: e["name"] if e.get("cat") in ("cuda_runtime", "cuda_driver") else None),
+            "torch_ops_ms": largest(lambda e: e["name"] if e.get("cat") == "cpu_op" else None)}
+
+
+def _generate(url: str, ids: list[int], n: int, done: list, stream: bool = False) -> None:
+    r = requests.post(url + "/generate", timeout=900, stream=stream, json=dict(
+        input_ids=ids, stream=stream, sampling_params=dict(max_new_tokens=n, temperature=0, ignore_eos=True)))
+    r.raise_for_status()
+    if not stream:
+        done.append(len(r.json()["output_ids"]))
+        return
+    last = None
+    for line in r.iter_lines():
+        if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+            last = json.loads(line[5:])
+    done.append(last["meta_info"]["completion_tokens"])   # output_ids may be cumulative or deltas
+
+
+def _trace(trace_dir: str, timeout: float = 120) -> list[dict]:
+    """The events of the one trace the scheduler writes into ``trace_dir`` after its last profiled step."""
+    deadline = time.time() + timeout
+    while not (traces := glob.glob(os.path.join(trace_dir, "*.trace.json.gz"))) and time.time() < deadline:
+        time.sleep(1)
+    with gzip.open(traces[0], "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+PLUGIN_COUNTERS = ("sparse_steps", "dense_steps", "decode_host_syncs", "reused_list_steps", "decode_prepare_s",
+                   "index_reused", "index_extends", "extend_chunks", "index_build_s", "build_keys_s", "build_cluster_s",
+                   "build_load_s", "extend_wait_s", "num_alloc_retries", "num_device_alloc")
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: round(after[k] - before.get(k, 0), 4) for k in PLUGIN_COUNTERS if k in after}
+
+
+def profile_method(srv: Server, a, trace_dir: str) -> dict:
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(1000, 100_000) for _ in range(a.prefix)] for _ in range(2)]
+    requests.post(srv.url + "/generate", timeout=900, json=dict(   # compiles the graft kernel outside the timing
+        input_ids=list(range(100, 4100)), sampling_params=dict(max_new_tokens=WARMUP_TOKENS, ignore_eos=True)))
+    for p in prefixes:   # prefilled and cached (with lychee, indexed) before the batch arrives
+        requests.post(srv.url + "/generate", timeout=900, json=dict(
+            input_ids=p, sampling_params=dict(max_new_tokens=1))).raise_for_status()
+    done: list[int] = []
+
+    def question():
+        return [rng.randrange(1000, 100_000) for _ in range(a.question)]
+
+    threads = [threading.Thread(target=_generate, args=(srv.url, prefixes[i % 2] + question(), a.output_len, done,
+                                                        a.stream)) for i in range(a.batch)]
+    for t in threads:
+        t.start()
+    time.sleep(a.settle)   # every request past its extend step, decoding
+
+    def profile(out_dir: str, steps: int, stack: bool) -> None:
+        requests.post(srv.url + "/start_profile", timeout=60, json=dict(
+            output_dir=out_dir, num_steps=steps, activities=["CPU", "GPU"], with_stack=stack,
+            record_shapes=False)).raise_for_status()
+
+    before = srv.stats()
+    profile(trace_dir, a.steps, False)
+    out = step_profile(_trace(trace_dir))
+    out["plugin_in_window"] = _delta(before, srv.stats())   # the window, and the steps until the trace was read
+    if a.join:
+        before = srv.stats()
+        profile(trace_dir + "-join", a.join_steps, True)
+        joined: list[int] = []
+        _generate(srv.url, prefixes[0] + question(), 4, joined)
+        out["join"] = host_profile(_trace(trace_dir + "-join"))
+        out["join"]["plugin"] = _delta(before, srv.stats())
+    for t in threads:
+        t.join()
+    assert done == [a.output_len] * a.batch, done
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *VARIANTS])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=32000)
+    ap.add_argument("--question", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=1024, help="long enough to decode past both profiles")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds from sending the batch to profiling")
+    ap.add_argument("--join", action="store_true", help="also profile one request joining the batch, with stacks")
+    ap.add_argument("--join-steps", type=int, default=12)
+    ap.add_argument("--stream", action="store_true", help="the batch's requests stream their tokens")
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"])
+    a = ap.parse_args()
+    import torch
+
+    import sglang
+
+    res = {"device": torch.cuda.get_device_name(), "sglang": sglang.__version__,
+           "model": "Llama-3.1-8B shape, dummy weights", "settings": {k: v for k, v in vars(a).items() if k != "out"},
+           "server_args": COMMON + ["--attention-backend", a.backend]}
+    for name in a.methods:
+        method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
+        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log",
+                    timeout=900) as srv:
+            res[name] = profile_method(srv, a, f"/tmp/profile-{name}")
+        print(name, json.dumps(res[name]), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

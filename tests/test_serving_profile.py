@@ -1,0 +1,64 @@
+"""bench.serving_profile's reduction of a trace to per-step kernel time, on a hand-made trace."""
+
+import pytest
+
+from bench.serving_profile import host_profile, kind_of, step_profile
+
+
+def _kernel(name, ts, dur, corr, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def _launch(ts, corr):
+    return {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5, "args": {"correlation": corr}}
+
+
+def test_step_profile_splits_replays_and_counts_idle_and_eager_work():
+    # three replays (correlations 1, 2, 3) 1000 us apart; each runs a GEMM, a selection and a sparse attention
+    # kernel back to back; before the second one, an eager graft kernel and a copy launched by the host
+    events = []
+    for i, corr in enumerate((1, 2, 3)):
+        t = 1000 * i
+        events += [_launch(t - 50, corr), _kernel("nvjet_tst_128x64", t, 300, corr),
+                   _kernel("_fine_bounds_kernel", t + 300, 100, corr), _kernel("_partial_kernel", t + 400, 200, corr)]
+    events += [_kernel("_graft_kernel", 700, 50, 90), _kernel("Memcpy HtoD (Pinned -> Device)", 760, 20, 91,
+                                                                 cat="gpu_memcpy")]
+    got = step_profile(events)
+    assert got["steps"] == 2 and got["kernels_in_graph"] == [3]
+    assert got["period"] == pytest.approx(1.0)
+    assert got["graph_span"] == pytest.approx(0.6)
+    assert got["matmul"] == pytest.approx(0.3)
+    assert got["selection"] == pytest.approx(0.1)
+    assert got["sparse_attention"] == pytest.approx(0.2)
+    # step 1's window [0, 1000) holds the graph's 600 us and the graft and copy (70 us); step 2's only 600 us
+    assert got["outside_graph"] == pytest.approx(0.035)
+    assert got["idle"] == pytest.approx((0.33 + 0.4) / 2)
+    assert list(got["top_kernels_ms"]) == ["nvjet_tst_128x64", "_partial_kernel", "_fine_bounds_kernel"]
+
+
+def test_step_profile_refuses_a_window_without_two_replays():
+    with pytest.raises(ValueError, match="1 CUDA-graph replays"):
+        step_profile([_launch(0, 1), _kernel("x", 10, 5, 1)])
+
+
+@pytest.mark.parametrize("name,kind", [("_emit_write_kernel", "selection"), ("_merge_kernel", "sparse_attention"),
+                                       ("_graft_kernel", "index_upkeep"), ("void flashinfer::BatchDecodeWithPaged",
+                                                                           "dense_attention"),
+                                       ("sm90_xmma_gemm_bf16", "matmul"), ("rms_norm_kernel", "other")])
+def test_kernel_kinds(name, kind):
+    assert kind_of(name) == kind
+
+
+def test_host_profile_sums_our_functions_and_cuda_calls():
+    events = [{"cat": "python_function", "name": "sgl_sparsekv/manager.py(452): _pool_index", "dur": 3000},
+              {"cat": "python_function", "name": "kernels/kmeans.py(46): nearest_centroid", "dur": 500},
+              {"cat": "python_function", "name": "kernels/kmeans.py(46): nearest_centroid", "dur": 700},
+              {"cat": "python_function", "name": "sglang/srt/managers/scheduler.py(10): run_batch", "dur": 9000},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "dur": 2500},
+              {"cat": "cuda_driver", "name": "cuModuleLoadData", "dur": 800},
+              {"cat": "cpu_op", "name": "aten::sort", "dur": 100}]
+    got = host_profile(events)
+    assert got["python_ms"] == {"sgl_sparsekv/manager.py(452): _pool_index": 3.0,
+                                "kernels/kmeans.py(46): nearest_centroid": 1.2}
+    assert got["cuda_api_ms"] == {"cudaStreamSynchronize": 2.5, "cuModuleLoadData": 0.8}
+    assert got["torch_ops_ms"] == {"aten::sort": 0.1}
