@@ -87,6 +87,11 @@ def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
         return result
     ps = scheduler.ps
     stats = dict(backend.manager.snapshot_stats(), tp_rank=ps.tp_rank, dp_rank=ps.dp_rank or 0)
+    if backend.manager.device.type == "cuda":   # the caching allocator's cudaMalloc calls and flushes (these sync)
+        import torch
+
+        mem = torch.cuda.memory_stats()
+        stats.update({k: mem.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")})
     result.internal_state["sparse_kv_stats"] = stats
     if ps.tp_size > 1:
         # every TP rank handles the same broadcast request, so all of them join; only rank 0's reply goes out

@@ -135,6 +135,10 @@ class PoolPlan:
 
 # host seconds of a pooled decode step's phases: frees, chunk cuts, index placement, grafts (with their chunk keys)
 PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
+# host seconds of placing a prompt's index: pooling its chunks' keys and clustering them (together
+# ``index_build_s``), loading the pools. ``extend_wait_s``: a prefill's preparation waiting for the device (the
+# frees and key slots read back, the prefix's slots)
+BUILD_PHASES = ("build_keys_s", "build_cluster_s", "build_load_s")
 logger = logging.getLogger("sgl_sparsekv")
 # SGL_SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
 DEBUG = os.environ.get("SGL_SPARSEKV_DEBUG") == "1"
@@ -207,7 +211,8 @@ class SparseKVManager:
                       "dense_steps": 0, "attended_tokens": 0, "scored_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
                       "dense_fallback_steps": 0, "scratch_full_steps": 0, "reused_list_steps": 0,
                       "decode_prepare_s": 0.0, "index_build_s": 0.0, "index_release_s": 0.0, "decode_host_syncs": 0,
-                      **{k: 0.0 for k in PREPARE_PHASES}}
+                      "extend_wait_s": 0.0, "build_chunks": 0, "extend_chunks": 0,
+                      **{k: 0.0 for k in PREPARE_PHASES + BUILD_PHASES}}
 
     # ------------------------------------------------------------------ frees (any thread)
     def request_freed(self, req_pool_idx: int) -> None:
@@ -280,7 +285,9 @@ class SparseKVManager:
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
                        req_to_token: torch.Tensor, tokens: list) -> PoolPlan:
         """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
+        t0 = time.perf_counter()
         self.apply_frees()   # waits: a radix hit may reach units cut at decode
+        self.stats["extend_wait_s"] += time.perf_counter() - t0
         plan = PoolPlan(req_to_token)
         for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
             state = self.states.get(idx)
@@ -288,7 +295,9 @@ class SparseKVManager:
                 # a new request (maybe with a radix hit), or a row reused after a free we never saw
                 self._drop(idx)
                 state = self.states[idx] = RequestState(row=idx)
+                t0 = time.perf_counter()
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
+                self.stats["extend_wait_s"] += time.perf_counter() - t0
             state.seq_len = seq
             self._cut(state, toks, idx, seq, plan, req_to_token)
         return plan
@@ -475,18 +484,26 @@ class SparseKVManager:
                 plan.add(j, state.row, a, b)
             keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0].float()               # [Ls, M, H, d]
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
+            t1 = time.perf_counter()
             c = self.cfg
             ix = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
             if seg is None:
                 self.stats["index_builds"] += 1
+                self.stats["build_chunks"] += len(state.units)
                 self.index_cache.add(state.units, lengths, ix)
             else:
                 self.stats["index_extends"] += 1
-            self.stats["index_build_s"] += time.perf_counter() - t0
+                self.stats["extend_chunks"] += len(state.units) - shared
+            t2 = time.perf_counter()
+            self.stats["build_keys_s"] += t1 - t0
+            self.stats["build_cluster_s"] += t2 - t1
+            self.stats["index_build_s"] += t2 - t0
         else:   # the whole prompt is the cached prefix: its own segment starts empty, for the grafts
             ix = empty_index(Ls * H, d, self.device)
+            t2 = time.perf_counter()
         n = len(state.units) - shared
         state.pool = self.pools.load(ix, starts[shared:], lengths[shared:], room=max(64, n // 4))
+        self.stats["build_load_s"] += time.perf_counter() - t2
         if state.pool is None:
             if seg is not None:
                 self._release_shared(key)

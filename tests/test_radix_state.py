@@ -330,6 +330,10 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     rows = [(seg.co, seg.fo, seg.ko) for seg in (sb.shared[1], sc.shared[1])]
     assert sb.shared[0] == sc.shared[0] and rows[0] == rows[1] and sb.shared[1].M != sc.shared[1].M
     assert m.pools.shared_fill() == {"segments": 1, "references": 2}
+    # each clustered only its chunks past the shared ones (the counts the serving benchmark reports)
+    own = [len(s.units) - s.shared[1].M for s in (sb, sc)]
+    assert m.stats["extend_chunks"] == sum(own) == sb.pool.M + sc.pool.M > 0
+    assert m.stats["build_chunks"] > max(own)
     frozen = m.pools.export(sb.shared[1])
     for _ in range(60):
         w.forward_decode(b)
