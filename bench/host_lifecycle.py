@@ -10,8 +10,10 @@ prompt's units and ``finish_extend`` adopts its cached index), and the previous 
 bookkeeping does not depend on the layer count; placing the index (a device copy) does. With ``--busy-ms``, each
 event starts while the GPU still runs that long a kernel (as it does in a server, which prepares a step while the
 last one runs): the event's host time then shows whether it waits for the GPU anywhere, syncs that
-``set_sync_debug_mode`` does not flag (a copy from pageable memory, a pinned allocation) among them. The ``*_host_ms``
-times stop when the host returns; the others when the GPU is done too, which with ``--busy-ms`` includes the wait.
+``set_sync_debug_mode`` does not flag (a copy from pageable memory, a pinned allocation) among them. Split over
+``--busy-kernels`` launches, the queued work also fills CUDA's launch queue, so every launch of the event waits
+for a slot, as inside a prefill whose layers' kernels are still queued. The ``*_host_ms`` times stop when the host
+returns; the others when the GPU is done too, which with ``--busy-ms`` includes the wait.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--busy-ms", type=float, default=0.0, help="GPU work queued before each event (CUDA only)")
+    ap.add_argument("--busy-kernels", type=int, default=1,
+                    help="that work as this many kernels: a few thousand fill the launch queue, as a prefill's do")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,7 +61,8 @@ def main():
         """Queue ``--busy-ms`` of GPU work, then time the host from here."""
         sync()
         if cycles_per_ms:
-            torch.cuda._sleep(int(a.busy_ms * cycles_per_ms))
+            for _ in range(a.busy_kernels):
+                torch.cuda._sleep(int(a.busy_ms * cycles_per_ms / a.busy_kernels))
         return time.perf_counter()
 
     rng = np.random.default_rng(0)
@@ -109,7 +114,7 @@ def main():
            "adopt_prepare_extend_ms": round(statistics.median(adopt_host), 2),
            "adopt_place_index_ms": round(statistics.median(adopt_place), 2),
            "request_end_ms": round(statistics.median(drops), 2),
-           "busy_ms": a.busy_ms, "build_index_ms": round(build_place, 2), "build_index_host_ms": round(build_host, 2),
+           "busy_ms": a.busy_ms, "busy_kernels": a.busy_kernels, "build_index_ms": round(build_place, 2), "build_index_host_ms": round(build_host, 2),
            "adopt_place_index_host_ms": round(statistics.median(adopt_place_host), 2),
            "request_end_host_ms": round(statistics.median(drops_host), 2)}
     print(json.dumps(res))
