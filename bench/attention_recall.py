@@ -431,8 +431,7 @@ HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("q
 RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
 
 # lists reused across decode steps: (select_every, drift threshold of selection_steps, 0 = none)
-REUSES = {"lychee-every-2": (2, 0.0), "lychee-every-4": (4, 0.0), "lychee-every-16-drift-0.9": (16, 0.9),
-          "lychee-every-16-drift-0.8": (16, 0.8), "lychee-every-4-drift-0.9": (4, 0.9)}
+REUSES = {"lychee-every-2": (2, 0.0), "lychee-every-4": (4, 0.0), "lychee-every-16-drift-0.8": (16, 0.8)}
 
 # the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
 ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}
