@@ -15,7 +15,9 @@ With ``--join``, one more request over the first prefix arrives while the batch 
 steps around its prefill are profiled with Python stacks: host time per function of this package (inclusive),
 CUDA runtime and driver calls, and the plugin's counters over that window, to place what a join costs the host
 (a prefill that adopts a cached index and clusters its question's chunks). ``--stream`` reads every request's
-tokens as a stream, as ``sglang.bench_serving`` does.
+tokens as a stream, and ``--text`` makes the prompts as its generated-shared-prefix dataset does (random vocabulary
+tokens decoded to text and tokenized again: more tokens, and more chunks per token, than random ids), so the
+profile can be matched to ``sglang.bench_serving``'s workload one difference at a time.
 """
 
 from __future__ import annotations
@@ -151,9 +153,22 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: round(after[k] - before.get(k, 0), 4) for k in PLUGIN_COUNTERS if k in after}
 
 
-def profile_method(srv: Server, a, trace_dir: str) -> dict:
+def prompt_maker(a):
+    """n -> a prompt's token ids: random ids, or (``--text``) sglang.bench_serving's generated text, tokenized."""
     rng = random.Random(0)
-    prefixes = [[rng.randrange(1000, 100_000) for _ in range(a.prefix)] for _ in range(2)]
+    if not a.text:
+        return lambda n: [rng.randrange(1000, 100_000) for _ in range(n)]
+    from sglang.benchmark.datasets.common import gen_prompt
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    random.seed(0)   # gen_prompt draws from the module's generator
+    return lambda n: tok.encode(gen_prompt(tok, n), add_special_tokens=False)
+
+
+def profile_method(srv: Server, a, trace_dir: str) -> dict:
+    make = prompt_maker(a)
+    prefixes = [make(a.prefix) for _ in range(2)]
     requests.post(srv.url + "/generate", timeout=900, json=dict(   # compiles the graft kernel outside the timing
         input_ids=list(range(100, 4100)), sampling_params=dict(max_new_tokens=WARMUP_TOKENS, ignore_eos=True)))
     for p in prefixes:   # prefilled and cached (with lychee, indexed) before the batch arrives
@@ -162,7 +177,7 @@ def profile_method(srv: Server, a, trace_dir: str) -> dict:
     done: list[int] = []
 
     def question():
-        return [rng.randrange(1000, 100_000) for _ in range(a.question)]
+        return make(a.question)
 
     threads = [threading.Thread(target=_generate, args=(srv.url, prefixes[i % 2] + question(), a.output_len, done,
                                                         a.stream)) for i in range(a.batch)]
@@ -206,6 +221,7 @@ def main():
     ap.add_argument("--join", action="store_true", help="also profile one request joining the batch, with stacks")
     ap.add_argument("--join-steps", type=int, default=12)
     ap.add_argument("--stream", action="store_true", help="the batch's requests stream their tokens")
+    ap.add_argument("--text", action="store_true", help="prompts as bench_serving's generated-shared-prefix makes them")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"])
     a = ap.parse_args()
