@@ -211,11 +211,23 @@ def summarize(res: dict) -> dict:
     return res
 
 
-def main():
+def method_parser() -> argparse.ArgumentParser:
+    """The arguments of a benchmark that serves the dummy model once per method."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *VARIANTS])
+    return ap
+
+
+def method_server(a, name: str, server_args: list[str]) -> Server:
+    """The GPU server of method ``name`` (dense, lychee or a variant) at ``a.budget``, logging beside ``a.out``."""
+    method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
+    return Server(a.model, method, cfg, extra=server_args, cpu=False, log_path=f"{a.out}.{name}.log", timeout=900)
+
+
+def main():
+    ap = method_parser()
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 65536, 126976])
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS),
                     choices=["random", "random64", "shared", "shared64_c16", "shared64_c32"])
@@ -255,9 +267,7 @@ def main():
             json.dump(res, f, indent=1)
 
     for name in a.methods:
-        method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
-        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log",
-                    timeout=900) as srv:
+        with method_server(a, name, res["server_args"]) as srv:
             measure(srv, a, name, res.setdefault(name, {}), save)
         save()
     summarize(res)

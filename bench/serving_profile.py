@@ -22,7 +22,6 @@ profile can be matched to ``sglang.bench_serving``'s workload one difference at 
 
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
@@ -35,7 +34,7 @@ import time
 
 import requests
 
-from bench.gpu_serving import COMMON, VARIANTS, WARMUP_TOKENS
+from bench.gpu_serving import COMMON, WARMUP_TOKENS, method_parser, method_server
 from bench.server import Server
 
 # kernel name -> kind; the first pattern that matches wins
@@ -208,10 +207,7 @@ def profile_method(srv: Server, a, trace_dir: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *VARIANTS])
+    ap = method_parser()
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=32000)
     ap.add_argument("--question", type=int, default=256)
@@ -233,9 +229,7 @@ def main():
            "model": "Llama-3.1-8B shape, dummy weights", "settings": {k: v for k, v in vars(a).items() if k != "out"},
            "server_args": COMMON + ["--attention-backend", a.backend]}
     for name in a.methods:
-        method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
-        with Server(a.model, method, cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.{name}.log",
-                    timeout=900) as srv:
+        with method_server(a, name, res["server_args"]) as srv:
             res[name] = profile_method(srv, a, f"/tmp/profile-{name}")
         print(name, json.dumps(res[name]), flush=True)
         with open(a.out, "w") as f:
