@@ -114,7 +114,8 @@ def main():
            "adopt_prepare_extend_ms": round(statistics.median(adopt_host), 2),
            "adopt_place_index_ms": round(statistics.median(adopt_place), 2),
            "request_end_ms": round(statistics.median(drops), 2),
-           "busy_ms": a.busy_ms, "busy_kernels": a.busy_kernels, "build_index_ms": round(build_place, 2), "build_index_host_ms": round(build_host, 2),
+           "busy_ms": a.busy_ms, "busy_kernels": a.busy_kernels,
+           "build_index_ms": round(build_place, 2), "build_index_host_ms": round(build_host, 2),
            "adopt_place_index_host_ms": round(statistics.median(adopt_place_host), 2),
            "request_end_host_ms": round(statistics.median(drops_host), 2)}
     print(json.dumps(res))
