@@ -29,12 +29,13 @@ import os
 import random
 import re
 import statistics
+import tempfile
 import threading
 import time
 
 import requests
 
-from bench.gpu_serving import COMMON, WARMUP_TOKENS, method_parser, method_server
+from bench.gpu_serving import COMMON, WARMUP_TOKENS, greedy, method_parser, method_server
 from bench.server import Server
 
 # kernel name -> kind; the first pattern that matches wins
@@ -75,7 +76,8 @@ def step_profile(events: list[dict]) -> dict:
         window = [e for e in work if start <= e["ts"] < end]
         kinds: dict[str, float] = {}
         for k in kernels:
-            kinds[kind_of(k["name"])] = kinds.get(kind_of(k["name"]), 0.0) + k["dur"]
+            kind = kind_of(k["name"])
+            kinds[kind] = kinds.get(kind, 0.0) + k["dur"]
         busy, reach = 0.0, start   # the union of the window's busy intervals
         for e in window:
             lo, hi = max(e["ts"], reach), min(e["ts"] + e["dur"], end)
@@ -98,14 +100,31 @@ def step_profile(events: list[dict]) -> dict:
     return out
 
 
-# the profiler names a Python function "<file relative to its sys.path entry>(<line>): <name>"; ours live in
-# sgl_sparsekv/ and, installed from this checkout's folders, in kernels/ and patches/
-OURS = ("sgl_sparsekv/", "kernels/", "patches/")
+def our_folders() -> tuple[str, ...]:
+    """This package's source folders: sgl_sparsekv/ and, installed from this checkout, kernels/ and patches/."""
+    import sgl_sparsekv
+    import sgl_sparsekv.kernels
+    import sgl_sparsekv.patches
+
+    return tuple(os.path.dirname(os.path.abspath(m.__file__)) + "/"
+                 for m in (sgl_sparsekv, sgl_sparsekv.kernels, sgl_sparsekv.patches))
 
 
-def host_profile(events: list[dict], top: int = 25) -> dict:
-    """Chrome-trace events recorded with Python stacks -> ms per name, largest first: this package's Python
-    functions (inclusive time; a recursive call counts at each level), CUDA runtime and driver calls, and the
+def _our_function(name: str, folders: tuple[str, ...]) -> str | None:
+    """The profiler names a Python function "<file>(<line>): <name>", the file either absolute or relative to its
+    sys.path entry: for one of ours, "<folder>/<file>(<line>): <name>"; None for any other."""
+    for folder in folders:
+        short = os.path.basename(folder.rstrip("/")) + "/"
+        if name.startswith(folder):
+            return short + name[len(folder):]
+        if name.startswith(short):
+            return name
+    return None
+
+
+def host_profile(events: list[dict], folders: tuple[str, ...], top: int = 25) -> dict:
+    """Chrome-trace events recorded with Python stacks -> ms per name, largest first: the Python functions of
+    ``folders`` (inclusive time; a recursive call counts at each level), CUDA runtime and driver calls, and the
     largest torch operators."""
     def largest(pick) -> dict:
         sums: dict[str, float] = {}
@@ -114,19 +133,19 @@ def host_profile(events: list[dict], top: int = 25) -> dict:
                 sums[name] = sums.get(name, 0.0) + e.get("dur", 0.0)
         return {n: round(t / 1000, 3) for n, t in sorted(sums.items(), key=lambda kv: -kv[1])[:top]}
 
-    return {"python_ms": largest(lambda e: e["name"] if e.get("cat") == "python_function"
-                                 and e["name"].startswith(OURS) else None),
+    return {"python_ms": largest(lambda e: _our_function(e["name"], folders)
+                                 if e.get("cat") == "python_function" else None),
             "cuda_api_ms": largest(lambda e: e["name"] if e.get("cat") in ("cuda_runtime", "cuda_driver") else None),
             "torch_ops_ms": largest(lambda e: e["name"] if e.get("cat") == "cpu_op" else None)}
 
 
-def _generate(url: str, ids: list[int], n: int, done: list, stream: bool = False) -> None:
-    r = requests.post(url + "/generate", timeout=900, stream=stream, json=dict(
-        input_ids=ids, stream=stream, sampling_params=dict(max_new_tokens=n, temperature=0, ignore_eos=True)))
-    r.raise_for_status()
+def _generate(srv: Server, ids: list[int], n: int, done: list, stream: bool = False) -> None:
     if not stream:
-        done.append(len(r.json()["output_ids"]))
+        done.append(len(greedy(srv, ids, n)))
         return
+    r = requests.post(srv.url + "/generate", timeout=900, stream=True, json=dict(
+        input_ids=ids, stream=True, sampling_params=dict(max_new_tokens=n, temperature=0, ignore_eos=True)))
+    r.raise_for_status()
     last = None
     for line in r.iter_lines():
         if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
@@ -135,12 +154,17 @@ def _generate(url: str, ids: list[int], n: int, done: list, stream: bool = False
 
 
 def _trace(trace_dir: str, timeout: float = 120) -> list[dict]:
-    """The events of the one trace the scheduler writes into ``trace_dir`` after its last profiled step."""
+    """The events of the one trace the scheduler writes into ``trace_dir`` after its last profiled step (the file
+    appears before it is complete: read until it parses)."""
     deadline = time.time() + timeout
-    while not (traces := glob.glob(os.path.join(trace_dir, "*.trace.json.gz"))) and time.time() < deadline:
-        time.sleep(1)
-    with gzip.open(traces[0], "rt") as f:
-        return json.load(f)["traceEvents"]
+    while True:
+        try:
+            with gzip.open(glob.glob(os.path.join(trace_dir, "*.trace.json.gz"))[0], "rt") as f:
+                return json.load(f)["traceEvents"]
+        except (IndexError, EOFError, OSError, ValueError):
+            if time.time() > deadline:
+                raise
+            time.sleep(1)
 
 
 PLUGIN_COUNTERS = ("sparse_steps", "dense_steps", "decode_host_syncs", "reused_list_steps", "decode_prepare_s",
@@ -165,40 +189,35 @@ def prompt_maker(a):
     return lambda n: tok.encode(gen_prompt(tok, n), add_special_tokens=False)
 
 
-def profile_method(srv: Server, a, trace_dir: str) -> dict:
+def profile_method(srv: Server, a) -> dict:
     make = prompt_maker(a)
     prefixes = [make(a.prefix) for _ in range(2)]
-    requests.post(srv.url + "/generate", timeout=900, json=dict(   # compiles the graft kernel outside the timing
-        input_ids=list(range(100, 4100)), sampling_params=dict(max_new_tokens=WARMUP_TOKENS, ignore_eos=True)))
+    greedy(srv, list(range(100, 4100)), WARMUP_TOKENS)   # compiles the graft kernel outside the profile
     for p in prefixes:   # prefilled and cached (with lychee, indexed) before the batch arrives
-        requests.post(srv.url + "/generate", timeout=900, json=dict(
-            input_ids=p, sampling_params=dict(max_new_tokens=1))).raise_for_status()
+        greedy(srv, p, 1)
     done: list[int] = []
-
-    def question():
-        return make(a.question)
-
-    threads = [threading.Thread(target=_generate, args=(srv.url, prefixes[i % 2] + question(), a.output_len, done,
+    threads = [threading.Thread(target=_generate, args=(srv, prefixes[i % 2] + make(a.question), a.output_len, done,
                                                         a.stream)) for i in range(a.batch)]
     for t in threads:
         t.start()
     time.sleep(a.settle)   # every request past its extend step, decoding
 
-    def profile(out_dir: str, steps: int, stack: bool) -> None:
+    def profile(steps: int, stack: bool) -> str:
+        """The trace of the next ``steps`` forward steps, in a folder of its own (a warm machine keeps /tmp)."""
+        out_dir = tempfile.mkdtemp(prefix="serving-profile-")
         requests.post(srv.url + "/start_profile", timeout=60, json=dict(
             output_dir=out_dir, num_steps=steps, activities=["CPU", "GPU"], with_stack=stack,
             record_shapes=False)).raise_for_status()
+        return out_dir
 
     before = srv.stats()
-    profile(trace_dir, a.steps, False)
-    out = step_profile(_trace(trace_dir))
+    out = step_profile(_trace(profile(a.steps, False)))
     out["plugin_in_window"] = _delta(before, srv.stats())   # the window, and the steps until the trace was read
     if a.join:
         before = srv.stats()
-        profile(trace_dir + "-join", a.join_steps, True)
-        joined: list[int] = []
-        _generate(srv.url, prefixes[0] + question(), 4, joined)
-        out["join"] = host_profile(_trace(trace_dir + "-join"))
+        join_dir = profile(a.join_steps, True)
+        greedy(srv, prefixes[0] + make(a.question), 4)
+        out["join"] = host_profile(_trace(join_dir), our_folders())
         out["join"]["plugin"] = _delta(before, srv.stats())
     for t in threads:
         t.join()
@@ -230,7 +249,7 @@ def main():
            "server_args": COMMON + ["--attention-backend", a.backend]}
     for name in a.methods:
         with method_server(a, name, res["server_args"]) as srv:
-            res[name] = profile_method(srv, a, f"/tmp/profile-{name}")
+            res[name] = profile_method(srv, a)
         print(name, json.dumps(res[name]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

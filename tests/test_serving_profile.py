@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.serving_profile import host_profile, kind_of, step_profile
+from bench.serving_profile import host_profile, kind_of, our_folders, step_profile
 
 
 def _kernel(name, ts, dur, corr, cat="kernel"):
@@ -50,15 +50,23 @@ def test_kernel_kinds(name, kind):
 
 
 def test_host_profile_sums_our_functions_and_cuda_calls():
+    # the profiler names a file relative to its sys.path entry or by its absolute path; another package's kernels/
+    # folder is not ours
+    folders = ("/repo/sgl_sparsekv/", "/repo/kernels/", "/repo/patches/")
     events = [{"cat": "python_function", "name": "sgl_sparsekv/manager.py(452): _pool_index", "dur": 3000},
               {"cat": "python_function", "name": "kernels/kmeans.py(46): nearest_centroid", "dur": 500},
-              {"cat": "python_function", "name": "kernels/kmeans.py(46): nearest_centroid", "dur": 700},
+              {"cat": "python_function", "name": "/repo/kernels/kmeans.py(46): nearest_centroid", "dur": 700},
+              {"cat": "python_function", "name": "/site/other/kernels/kmeans.py(46): nearest_centroid", "dur": 70},
               {"cat": "python_function", "name": "sglang/srt/managers/scheduler.py(10): run_batch", "dur": 9000},
               {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "dur": 2500},
               {"cat": "cuda_driver", "name": "cuModuleLoadData", "dur": 800},
               {"cat": "cpu_op", "name": "aten::sort", "dur": 100}]
-    got = host_profile(events)
+    got = host_profile(events, folders)
     assert got["python_ms"] == {"sgl_sparsekv/manager.py(452): _pool_index": 3.0,
                                 "kernels/kmeans.py(46): nearest_centroid": 1.2}
     assert got["cuda_api_ms"] == {"cudaStreamSynchronize": 2.5, "cuModuleLoadData": 0.8}
     assert got["torch_ops_ms"] == {"aten::sort": 0.1}
+
+
+def test_our_folders_are_the_installed_sources():
+    assert [f.rstrip("/").rsplit("/", 1)[1] for f in our_folders()] == ["sgl_sparsekv", "kernels", "patches"]
