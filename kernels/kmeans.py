@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# N and K follow each prompt's chunk count: specializing on them (== 1, divisible by 16) compiled new variants
+# in the middle of serving, at a prefill's index build
+@triton.jit(do_not_specialize=["N", "K"])
 def _assign_kernel(X, C, Out, N, K, stride_xh, stride_xn, stride_ch, stride_ck, D: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(1).to(tl.int64)
@@ -68,7 +70,7 @@ def nearest_centroid_ref(x: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hnd,hkd->hnk", x, cent).argmax(-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "K"])
 def _sums_kernel(X, Order, Offsets, Out, N, K, stride_xh, stride_xn, D: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)

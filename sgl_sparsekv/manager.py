@@ -197,6 +197,7 @@ class SparseKVManager:
                                     self.device)
             if self.use_kernels:
                 precompile_graft(self.pools, self.key_dtype)
+                self._precompile_build()
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
@@ -444,6 +445,24 @@ class SparseKVManager:
         ids, slots, indptr, _, _ = plan.packed(self.device)
         pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, False)
         return out
+
+    def _precompile_build(self) -> None:
+        """Compile the kernels that place a prompt's index (its chunks' keys, k-means) now, on eight made-up
+        chunks of a made-up key buffer laid out like the KV pool's. Placing runs inside a prefill, so their first
+        compile (seconds on a fresh machine) would stall the batch of the first long prompt; they do not specialize
+        on chunk or cluster counts, so these variants serve every prompt."""
+        Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
+        n = 8
+        if Ls == 0:
+            return
+        kv = torch.zeros(n, H, d, dtype=self.key_dtype, device=self.device)
+        ptrs = torch.full((Ls,), kv.data_ptr(), dtype=torch.int64, device=self.device)
+        out = torch.empty(Ls, n, H, 1, d, dtype=self.key_dtype, device=self.device)
+        every = torch.arange(n + 1, device=self.device)
+        pool_units_layers(ptrs, kv, every[:n].int(), every.int(), every[:n], out, False)
+        keys = torch.eye(n, d, device=self.device)[None]   # n unit keys, a few clusters of them
+        build_index_grouped(keys, torch.ones(n, device=self.device), self.cfg.fine_cluster_size,
+                            self.cfg.max_coarse, self.cfg.kmeans_iters)
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:

@@ -632,6 +632,42 @@ def test_graft_compiles_once_across_step_shapes():
 
 
 @pytest.mark.gpu
+def test_index_placement_compiles_nothing_after_startup():
+    """Placing a prompt's index pools its chunks' keys and runs k-means inside the prefill: a kernel variant
+    compiled there stalls the batch for seconds. The manager compiles them at startup; prompts whose chunk and
+    cluster counts are 1, divisible by 16 or neither must all reuse those variants."""
+    from sgl_sparsekv.config import SparseKVConfig
+    from sgl_sparsekv.kernels.kmeans import _assign_kernel, _sums_kernel
+    from sgl_sparsekv.kernels.pool import _pool_layers_kernel
+
+    dev, Hk, d, layers = "cuda", 8, 128, 3
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256, "dense_layers": 1, "chunking": "fixed"})
+    # 16-token chunks: 125 chunks (12 coarse units), 129 (12), 256 (16), 4000 (64)
+    lens = [2000, 2064, 4096, 64_000]
+    slots = sum(lens) + 64
+    gen = torch.Generator(device=dev).manual_seed(2)
+    k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
+    r2t = torch.zeros(len(lens) + 1, max(lens), dtype=torch.int32, device=dev)
+    kernels = (_assign_kernel, _sums_kernel, _pool_layers_kernel)
+
+    def variants():
+        return [len(kern.device_caches[torch.cuda.current_device()][0]) for kern in kernels]
+
+    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
+    at_start = variants()
+    nxt = 1
+    for row, n in enumerate(lens, start=1):
+        r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
+        nxt += n
+        m.prepare_extend([row], [0], [n], r2t, [[0] * n])
+        m.finish_extend([row], [True], r2t, lambda l: k[l])
+        assert m.states[row].pool is not None
+        assert variants() == at_start, f"a {n}-token prompt compiled a new kernel variant"
+    assert m.stats["index_builds"] == len(lens)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
 def test_staged_upload_never_rewrites_a_pending_copy():
     """The step's range table goes up through a ring of pinned buffers. With the GPU held busy, every copy is still
     pending when the ring comes round: each step must still deliver its own values, without waiting."""
