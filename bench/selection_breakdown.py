@@ -63,7 +63,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
 
     def cut():
         ks._cut_kernel[(bs * R,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, R, H=H, BLOCK=ks.CUT_BLOCK,
-                                  BAND=cut_band[0], BAND_KEYS=cut_band[1], num_warps=8)
+                                  BAND=cut_band[0], BAND_KEYS=cut_band[1], num_warps=ks.CUT_WARPS)
 
     def emit():
         return ks.emit_tokens(sel, chunks, ranges, rows, seq, req_to_token, sink, recent, cap_c,

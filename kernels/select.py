@@ -41,8 +41,11 @@ import triton
 import triton.language as tl
 
 NEG = tl.constexpr(float("-inf"))
-# a (request, KV head) with at most this many fine clusters (~98K tokens at one chunk per cluster) is cut in registers
-CUT_BLOCK = 8192
+# a (request, KV head) with at most CUT_BLOCK fine clusters (~196K tokens at 12-token chunks, one per cluster) is
+# cut in registers, by CUT_WARPS warps. Timed on an H200 (batch 16, per layer): 8192 and 8 warps, as up to c436d85,
+# took 17 us at 2.7K clusters, 37 us at 4.2K and 167-185 us at 8.3K-10.6K (past the block: passes over memory);
+# 16384 and 16 warps take 18, 28 and 67 us
+CUT_BLOCK, CUT_WARPS = 16384, 16
 # the register cut's last passes run on the clusters whose bounds lie within CUT_BAND_KEYS float steps of the cut
 # (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few: on an H200 at 32K this took
 # the cut from 18.8 to 16.7 us per layer at batch 1 (19.6 to 17.2 at batch 16; bands of 64 and 128: 17.4, 17.7)
@@ -227,12 +230,81 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
 
 
 @triton.jit
+def _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr,
+                   BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
+    """The cut of one (request, KV head) with more than BLOCK clusters: every bisection pass reads all of them
+    (``_mass_from``), so the passes stop once the interval holds at most ``BAND_KEYS`` keys, and one more pass
+    gathers the clusters left in it into a ``BAND``-wide tile for the rest (as ``_cut_in_registers`` does; the
+    band is wider here, since each pass it saves reads every cluster). With 8192-wide tiles and 8 warps, at
+    100K-126K tokens (batch 16, H200), this took the cut from 167-185 to 122-131 us per layer."""
+    one = tl.arange(0, BLOCK)
+    lo = tl.full([], 1 << 40, tl.int64)
+    hi = tl.full([], -(1 << 40), tl.int64)
+    total = 0.0
+    for blk in range(0, L, BLOCK):
+        offs = blk + one
+        ub, tok = _bounds_and_tokens(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
+        live = ub > NEG
+        key = _order_key(ub)
+        lo = tl.minimum(lo, tl.min(tl.where(live, key, 1 << 40), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(live, key, -(1 << 40)), 0))
+        total += tl.sum(tl.where(live, tok, 0.0), 0)
+    hi += 1
+    while hi - lo > BAND_KEYS:
+        mid = lo + (hi - lo) // 2
+        over = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget
+        lo = tl.where(over, mid, lo)
+        hi = tl.where(over, hi, mid)
+    # the band [lo, hi): its clusters' indexes into the picks row (written last), and the tokens above it
+    n = 0
+    past = 0.0
+    for blk in range(0, L, BLOCK):
+        offs = blk + one
+        ub, tok = _bounds_and_tokens(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
+        live = ub > NEG
+        key = _order_key(ub)
+        band = live & (key >= lo) & (key < hi)
+        at = n + tl.cumsum(band.to(tl.int32), 0) - 1
+        tl.store(Sh + at, offs.to(tl.float32), mask=band & (at < BAND))
+        n += tl.sum(band.to(tl.int32), 0)
+        past += tl.sum(tl.where(live & (key >= hi), tok, 0.0), 0)
+    tl.debug_barrier()
+    if n <= BAND:
+        j = tl.arange(0, BAND)
+        jm = j < n
+        bub, btok = _bounds_and_tokens(Bh, FTok, tl.load(Sh + j, mask=jm, other=0.0).to(tl.int32), jm, fo0, L0, fo1,
+                                       h, H)
+        lo, hi = _bisect(lo, hi, 1, jm, _order_key(bub), btok, past, budget)
+    else:   # many clusters share a handful of keys (exact ties): the passes stay on all of them
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            over = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget
+            lo = tl.where(over, mid, lo)
+            hi = tl.where(over, hi, mid)
+    tl.debug_barrier()   # the band's indexes are read before the picks overwrite them
+    lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
+    above = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo + 1, H, BLOCK)
+    for blk in range(0, L, BLOCK):
+        offs = blk + one
+        m = offs < L
+        ub, tok = _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
+        live = ub > NEG
+        key = _order_key(ub)
+        tie = live & (key == lo)
+        run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
+        take = live & ((key > lo) | (tie & (run <= budget)))
+        tl.store(Sh + offs, take.to(tl.float32), mask=m)
+        above += tl.sum(tl.where(tie, tok, 0.0), 0)
+
+
+@triton.jit
 def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr,
                 BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
-    program takes the smallest register tile its request fits (BLOCK // 4, // 2 or BLOCK), else passes over memory.
+    program takes the smallest register tile its request fits (BLOCK // 8, // 4, // 2 or BLOCK), else passes over
+    memory.
     Bounds and picks are the request's scratch rows (``Bnd``, ``Sel`` [H, S])."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
@@ -241,45 +313,16 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     L = L0 + _field(T, st, b, 9)
     so = h * S + _offset(T, st, b, 12)
     Bh, Sh = Bnd + so, Sel + so
-    one = tl.arange(0, BLOCK)
-    if L <= BLOCK // 4:
+    if L <= BLOCK // 8:
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 8, BAND, BAND_KEYS)
+    elif L <= BLOCK // 4:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 4, BAND, BAND_KEYS)
     elif L <= BLOCK // 2:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK // 2, BAND, BAND_KEYS)
     elif L <= BLOCK:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK, BAND, BAND_KEYS)
     else:
-        lo = tl.full([], 1 << 40, tl.int64)
-        hi = tl.full([], -(1 << 40), tl.int64)
-        for blk in range(0, L, BLOCK):
-            offs = blk + one
-            ub = tl.load(Bh + offs, mask=offs < L, other=NEG)
-            key = _order_key(ub)
-            lo = tl.minimum(lo, tl.min(tl.where(ub > NEG, key, 1 << 40), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(ub > NEG, key, -(1 << 40)), 0))
-        hi += 1
-        total = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo, H, BLOCK)
-        for _ in range(33):
-            mid = lo + (hi - lo) // 2
-            if hi - lo > 1:
-                if _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget:
-                    lo = mid
-                else:
-                    hi = mid
-        if total <= budget:
-            lo -= 1
-        above = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo + 1, H, BLOCK)
-        for blk in range(0, L, BLOCK):
-            offs = blk + one
-            m = offs < L
-            ub, tok = _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
-            live = ub > NEG
-            key = _order_key(ub)
-            tie = live & (key == lo)
-            run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
-            take = live & ((key > lo) | (tie & (run <= budget)))
-            tl.store(Sh + offs, take.to(tl.float32), mask=m)
-            above += tl.sum(tl.where(tie, tok, 0.0), 0)
+        _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK, BAND * 8, BAND_KEYS)
 
 
 def all_heads(H: int, device) -> torch.Tensor:
@@ -330,7 +373,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
                                          float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
                                          BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
     _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, BAND=cut_band[0],
-                           BAND_KEYS=cut_band[1], num_warps=8)
+                           BAND_KEYS=cut_band[1], num_warps=CUT_WARPS)
     return sel
 
 

@@ -58,10 +58,11 @@ def test_select_fine_matches_reference(G, D):
 def test_select_fine_ties_and_the_memory_pass(cut_block, cut_band):
     """Chunks repeating five keys exactly: whole groups of fine clusters tie on their bound, and the cut must
     take them in index order like the stable sort. The requests have 30, 100 and 5 fine clusters: ``cut_block``
-    16 sends every request through the pass over memory that requests with more fine clusters than the block
-    take, 64 cuts them in the tiles of 32 and 16 and in the pass over memory, 4096 in the tile of 1024.
-    ``cut_band``: the register cut's last passes on the band's few clusters gathered (the default; (256, 2^40):
-    every cluster is the band), or on the whole tile where the band holds more than 1 (ties) or 4 clusters."""
+    16 sends the two larger through the pass over memory that requests with more fine clusters than the block
+    take, 64 cuts them in the tiles of 32 and 8 and in the pass over memory, 4096 in the tile of 512.
+    ``cut_band``: the cut's last passes on the band's few clusters gathered (the default; (256, 2^40): every
+    cluster is the band), or on all of them where the band holds more than its tile (the pass over memory's tile
+    is 8 times the register cut's: 8, 32, 512, 2048)."""
     gen = torch.Generator().manual_seed(3)
     bs, H, G, D = 3, 2, 2, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.0)
@@ -145,7 +146,7 @@ def test_emit_matches_reference_mask():
                                                 (4096, 0.25, [1, 4, 7])])
 def test_select_and_emit_real_shapes(cut_block, rw, heads):
     """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
-    512 takes the cut's pass over memory (requests past 4096 fine clusters, about 100K tokens); ``rw`` is the
+    512 takes the cut's pass over memory (by default requests past 16384 fine clusters, about 196K tokens); ``rw`` is the
     radius weight of the ranking; ``heads``: only these retrieve (hybrid heads), the others' rows stay as they were."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
