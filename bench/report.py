@@ -366,8 +366,9 @@ def step_profile_table(path: Path) -> str:
     r = json.loads(path.read_text())
     kinds = ["matmul", "dense_attention", "selection", "sparse_attention", "index_upkeep", "other", "outside_graph",
              "idle"]
-    period = r["dense"]["period"]
-    rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}", *(f"{r[m].get(k, 0):.2f}" for k in kinds),
+    period = r["dense"]["period"] if "dense" in r else None
+    rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}" if period else "-",
+             *(f"{r[m].get(k, 0):.2f}" for k in kinds),
              r[m]["steps"]) for m in r["settings"]["methods"]]
     return md_table(f"Where a serving step's time goes, {r['device']} ({r['gpu']}), {r['model']}, "
                     f"{r['settings']['backend']}, CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: "
@@ -385,8 +386,9 @@ def busy_lifecycle_table(path: Path) -> str:
                     f"commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["GPU before the event", "adoption: prepare_extend", "adoption: index placed (host)",
                      "request end (host)", "32K build (host)", "32K build (GPU done)"],
-                    [(label, *(r[k][x] for x in keys)) for k, label in (("idle_gpu", "idle"),
-                                                                        ("busy_gpu_20ms", "20 ms of work queued"))])
+                    [(label, *(r[k][x] for x in keys)) for k, label in
+                     (("idle_gpu", "idle"), ("busy_gpu_20ms", "20 ms of work queued"),
+                      ("busy_gpu_20ms_2000_kernels", "20 ms of work queued as 2000 kernels")) if k in r])
 
 
 def build_table(path: Path) -> str:
@@ -590,6 +592,8 @@ def main():
                      ("gpu_serving_h200_band.json", serving_table),
                      ("gpu_serving_h200_expand32.json", serving_table),
                      ("gpu_serving_h200_qwen05b_roles.json", hybrid_serving_table),
+                     ("serving_profile_h200_text.json", step_profile_table),
+                     ("host_lifecycle_h200_busy_kernels.json", busy_lifecycle_table),
                      ("serving_profile_h200.json", step_profile_table),
                      ("host_lifecycle_h200_busy.json", busy_lifecycle_table),
                      ("gpu_serving_h200_every4.json", hybrid_serving_table),
