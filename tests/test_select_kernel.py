@@ -146,8 +146,9 @@ def test_emit_matches_reference_mask():
                                                 (4096, 0.25, [1, 4, 7])])
 def test_select_and_emit_real_shapes(cut_block, rw, heads):
     """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
-    512 takes the cut's pass over memory (by default requests past 16384 fine clusters, about 196K tokens); ``rw`` is the
-    radius weight of the ranking; ``heads``: only these retrieve (hybrid heads), the others' rows stay as they were."""
+    512 takes the cut's pass over memory (by default requests past 16384 fine clusters, about 196K tokens); ``rw``
+    is the radius weight of the ranking; ``heads``: only these retrieve (hybrid heads), the others' rows stay as they
+    were."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
