@@ -170,6 +170,24 @@ def _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H: tl.constexpr):
 
 
 @triton.jit
+def _keyed_tile(Bh, FTok, offs, m, fo0, L0, fo1, h, H: tl.constexpr):
+    """Union clusters ``offs``: (live, order key, tokens)."""
+    ub, tok = _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
+    return ub > NEG, _order_key(ub), tok
+
+
+@triton.jit
+def _bisect_in_memory(lo, hi, stop, Bh, FTok, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr):
+    """``_bisect`` over all L clusters, each pass read from memory."""
+    while hi - lo > stop:
+        mid = lo + (hi - lo) // 2
+        over = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget
+        lo = tl.where(over, mid, lo)
+        hi = tl.where(over, hi, mid)
+    return lo, hi
+
+
+@triton.jit
 def _mass_from(Bh, FTok, fo0, L0, fo1, L, h, v, H: tl.constexpr, BLOCK: tl.constexpr):
     """Tokens of the live clusters whose key is >= v."""
     total = 0.0
@@ -243,26 +261,18 @@ def _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BL
     total = 0.0
     for blk in range(0, L, BLOCK):
         offs = blk + one
-        ub, tok = _bounds_and_tokens(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
-        live = ub > NEG
-        key = _order_key(ub)
+        live, key, tok = _keyed_tile(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
         lo = tl.minimum(lo, tl.min(tl.where(live, key, 1 << 40), 0))
         hi = tl.maximum(hi, tl.max(tl.where(live, key, -(1 << 40)), 0))
         total += tl.sum(tl.where(live, tok, 0.0), 0)
     hi += 1
-    while hi - lo > BAND_KEYS:
-        mid = lo + (hi - lo) // 2
-        over = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget
-        lo = tl.where(over, mid, lo)
-        hi = tl.where(over, hi, mid)
+    lo, hi = _bisect_in_memory(lo, hi, BAND_KEYS, Bh, FTok, fo0, L0, fo1, L, h, budget, H, BLOCK)
     # the band [lo, hi): its clusters' indexes into the picks row (written last), and the tokens above it
     n = 0
     past = 0.0
     for blk in range(0, L, BLOCK):
         offs = blk + one
-        ub, tok = _bounds_and_tokens(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
-        live = ub > NEG
-        key = _order_key(ub)
+        live, key, tok = _keyed_tile(Bh, FTok, offs, offs < L, fo0, L0, fo1, h, H)
         band = live & (key >= lo) & (key < hi)
         at = n + tl.cumsum(band.to(tl.int32), 0) - 1
         tl.store(Sh + at, offs.to(tl.float32), mask=band & (at < BAND))
@@ -276,20 +286,14 @@ def _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BL
                                        h, H)
         lo, hi = _bisect(lo, hi, 1, jm, _order_key(bub), btok, past, budget)
     else:   # many clusters share a handful of keys (exact ties): the passes stay on all of them
-        while hi - lo > 1:
-            mid = lo + (hi - lo) // 2
-            over = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, mid, H, BLOCK) > budget
-            lo = tl.where(over, mid, lo)
-            hi = tl.where(over, hi, mid)
+        lo, hi = _bisect_in_memory(lo, hi, 1, Bh, FTok, fo0, L0, fo1, L, h, budget, H, BLOCK)
     tl.debug_barrier()   # the band's indexes are read before the picks overwrite them
     lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
     above = _mass_from(Bh, FTok, fo0, L0, fo1, L, h, lo + 1, H, BLOCK)
     for blk in range(0, L, BLOCK):
         offs = blk + one
         m = offs < L
-        ub, tok = _bounds_and_tokens(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
-        live = ub > NEG
-        key = _order_key(ub)
+        live, key, tok = _keyed_tile(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
         tie = live & (key == lo)
         run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
         take = live & ((key > lo) | (tie & (run <= budget)))
