@@ -211,6 +211,16 @@ def _bisect(lo, hi, stop, live, key, tok, past, budget):
 
 
 @triton.jit
+def _take(live, key, tok, lo, above, budget):
+    """The picks of a tile: every live cluster keyed above ``lo``, and those keyed ``lo`` in index order while
+    ``above`` (the tokens taken before them) plus their running total stays within the budget; and the tile's
+    tokens keyed ``lo``."""
+    tie = live & (key == lo)
+    run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
+    return live & ((key > lo) | (tie & (run <= budget))), tl.sum(tl.where(tie, tok, 0.0), 0)
+
+
+@triton.jit
 def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BLOCK: tl.constexpr,
                       BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
     """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers. A bisection pass
@@ -241,9 +251,7 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
         lo, hi = _bisect(lo, hi, 1, live, key, tok, 0.0, budget)
     lo = tl.where(total <= budget, lo - 1, lo)   # everything fits: every live key lies above lo
     above = tl.sum(tl.where(live & (key > lo), tok, 0.0), 0)
-    tie = live & (key == lo)
-    run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
-    take = live & ((key > lo) | (tie & (run <= budget)))
+    take, _ = _take(live, key, tok, lo, above, budget)
     tl.store(Sh + one, take.to(tl.float32), mask=m)
 
 
@@ -294,11 +302,9 @@ def _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BL
         offs = blk + one
         m = offs < L
         live, key, tok = _keyed_tile(Bh, FTok, offs, m, fo0, L0, fo1, h, H)
-        tie = live & (key == lo)
-        run = above + tl.cumsum(tl.where(tie, tok, 0.0), 0)
-        take = live & ((key > lo) | (tie & (run <= budget)))
+        take, tied = _take(live, key, tok, lo, above, budget)
         tl.store(Sh + offs, take.to(tl.float32), mask=m)
-        above += tl.sum(tl.where(tie, tok, 0.0), 0)
+        above += tied
 
 
 @triton.jit
