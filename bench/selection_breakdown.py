@@ -38,7 +38,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     cap_c = budget + (rerank - 1) * keep    # emission's candidate lists (the budget's own without a rerank)
     rem = rem * rerank
     cmu, cr, ctok = coarse
-    fmu, fr, ftok, fpar = fine
+    ftok = fine[2]
     bnd, sel = c["scratch"]
     BLOCK_P = 128
     heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
@@ -57,9 +57,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
                                             BLOCK_P=BLOCK_P)
 
     def fine_bounds():
-        ks._fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, R, 0.25,
-                                                q.stride(0), q.stride(1), fmu.stride(0), H=H, G=HQ // H, D=D,
-                                                BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=ks.FINE_BLOCK, PARTS=parts)
+        ks.fine_bounds(q, fine, ranges, expanded, bnd, heads, 0.25, parts)
 
     def cut():
         ks._cut_kernel[(bs * R,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, R, H=H, BLOCK=ks.CUT_BLOCK,

@@ -26,7 +26,7 @@ BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
 
 def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
-    (cmu, cr, ctok), (fmu, fr, ftok, fpar) = c["coarse"], c["fine"]
+    (cmu, cr, ctok), ftok = c["coarse"], c["fine"][2]
     cfine, cstart, clen = c["chunks"]
     ranges = c["ranges"]
     st = ranges.stride(0)
@@ -41,10 +41,8 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
         for parts in (8, 16, 32, 64):
             for warps in (2, 4, 8):
                 def bounds():
-                    ks._fine_bounds_kernel[(bs * H, parts)](
-                        q, fmu, fr, fpar, ranges, st, expanded, bnd, bnd.stride(0), heads, H, 0.25, q.stride(0), q.stride(1),
-                        fmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P, BLOCK_L=tile, PARTS=parts,
-                        num_warps=warps)
+                    ks.fine_bounds(q, c["fine"], ranges, expanded, bnd, heads, 0.25, parts, block_l=tile,
+                                   num_warps=warps)
                 rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
                                  "ms": round(graph_bench(bounds), 4)})
     for warps in (2, 4, 8, 16):
@@ -54,6 +52,7 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
                                           BAND=ks.CUT_BAND, BAND_KEYS=ks.CUT_BAND_KEYS, num_warps=warps)
             rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
+    list_rows, fresh = ks.every_row_fresh(bs, "cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")
     for tile in (32, 64, 128):
         for parts in (8, 16, 32):
@@ -61,14 +60,14 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
                 counts = torch.empty(bs * H * parts, dtype=torch.int32, device="cuda")
 
                 def count():
-                    ks._emit_count_kernel[(bs * H, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq, counts, heads,
-                                                           H, BUDGET, SINK, RECENT, H=H, BLOCK_M=tile, PARTS=parts,
-                                                           num_warps=warps)
+                    ks._emit_count_kernel[(bs * H, parts)](sel, sel.stride(0), cfine, cstart, clen, ranges, st, seq,
+                                                           fresh, counts, heads, H, BUDGET, SINK, RECENT, H=H,
+                                                           BLOCK_M=tile, PARTS=parts, num_warps=warps)
 
                 def write():
                     ks._emit_write_kernel[(bs * H, parts)](
-                        sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq, r2t, counts, windows, lens, heads, H,
-                        r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile, BLOCK_T=64, MAXLEN=16,
+                        sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq, fresh, list_rows, r2t, counts,
+                        windows, lens, heads, H, r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile, BLOCK_T=64, MAXLEN=16,
                         PARTS=parts, num_warps=warps)
                 t1, t2 = graph_bench(count), graph_bench(write)
                 rows_out.append({"bs": bs, "k": "emit", "BLOCK_M": tile, "parts": parts, "warps": warps,

@@ -155,6 +155,26 @@ def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw,
         tl.store(out + offs_l, fub, mask=lmask)
 
 
+def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, parts: int, max_coarse: int = 64,
+                block_l: int = FINE_BLOCK, num_warps: int = 4):
+    """Launch ``_fine_bounds_kernel`` for the batch of ``q`` (one row per request) into the scratch ``bnd``, after
+    the coarse expansion wrote ``expanded``; ``block_l`` and ``num_warps`` for launch-parameter sweeps."""
+    bs, Hq, D = q.shape
+    fmu, fr, _, fpar = fine
+    H = fmu.shape[1]
+    R = heads.numel()
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, ranges.stride(0), expanded, bnd, bnd.stride(0),
+                                         heads, R, float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0),
+                                         H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
+                                         BLOCK_P=_block_p(max_coarse), BLOCK_L=block_l, PARTS=parts,
+                                         num_warps=num_warps)
+
+
+def _block_p(max_coarse: int) -> int:
+    """Coarse units of a union (two segments of at most ``max_coarse`` each), as a power of two."""
+    return max(16, triton.next_power_of_2(2 * max_coarse))
+
+
 @triton.jit
 def _order_key(ub):
     """int64 keys that order like the float bounds (-0.0 counts as 0.0, as in a float sort)."""
@@ -366,7 +386,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     fmu, fr, ftok, fpar = fine
     H = cmu.shape[1]
     G = Hq // H
-    BLOCK_P = max(16, triton.next_power_of_2(2 * max_coarse))
+    BLOCK_P = _block_p(max_coarse)
     BLOCK_D = triton.next_power_of_2(D)
     if out is None:
         out = scratch(_scratch_rows(ranges, bs), H, q.device)
@@ -379,9 +399,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, budget, expanded, heads, R, float(expand),
                                      float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
                                      BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, st, expanded, bnd, S, heads, R,
-                                         float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0), H=H, G=G, D=D,
-                                         BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P, BLOCK_L=FINE_BLOCK, PARTS=parts)
+    fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight, parts, max_coarse)
     _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, BAND=cut_band[0],
                            BAND_KEYS=cut_band[1], num_warps=CUT_WARPS)
     return sel
