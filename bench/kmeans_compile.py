@@ -4,8 +4,8 @@
 
 A 4165-chunk build (bench_serving's 36.5K-token text prefix) twice, then extends of 120-160 chunks and a few small
 ones, over 240 heads (Llama-3.1-8B: 30 sparse layers x 8 KV heads), each timed to the GPU's end. ``unspecialized``:
-the k-means kernels as they are; ``precompiled``: after the k-means the manager runs at startup (eight unit keys,
-as ``SparseKVManager._precompile_build``); ``specialized``: with the kernels of a67de4a, which specialized on the
+the k-means kernels as they are; ``precompiled``: after the k-means the manager runs at startup
+(``index.precompile_build``, eight unit keys); ``specialized``: with the kernels of a67de4a, which specialized on the
 chunk and cluster counts (``git show a67de4a:kernels/kmeans.py > FILE``). Run each mode in its own process: the
 cache is a fresh folder per process. Prints one JSON line.
 """
@@ -25,6 +25,7 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()   # before triton is importe
 import torch  # noqa: E402
 
 import sgl_sparsekv.index as index  # noqa: E402
+from sgl_sparsekv.config import SparseKVConfig  # noqa: E402
 
 
 def timed_build(n: int) -> float:
@@ -51,7 +52,8 @@ def main():
     torch.cuda.synchronize()
     t = time.perf_counter()
     if a.mode == "precompiled":
-        index.build_index_grouped(torch.eye(8, 128, device="cuda")[None], torch.ones(8, device="cuda"), 1.0, 64, 10)
+        c = SparseKVConfig()
+        index.precompile_build(128, "cuda", c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
         torch.cuda.synchronize()
     pre = time.perf_counter() - t
     rng = random.Random(0)

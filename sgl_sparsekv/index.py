@@ -209,6 +209,16 @@ def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluste
                            keys.shape[0], _bytes_per_head(keys, L), max_bytes)
 
 
+def precompile_build(d: int, device, fine_cluster_size: float, max_coarse: int, iters: int) -> None:
+    """Compile the k-means kernels of ``build_index_grouped`` now: eight made-up unit keys of width ``d``, a few
+    clusters of them. The kernels do not specialize on chunk or cluster counts, so these variants serve every
+    prompt; index placement runs inside a prefill, where a first compile (seconds on a fresh machine) would stall
+    the batch."""
+    n = 8
+    build_index_grouped(torch.eye(n, d, device=device)[None], torch.ones(n, device=device), fine_cluster_size,
+                        max_coarse, iters)
+
+
 def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     """Lazy update: add one chunk (``key`` [..., d]) to its nearest fine cluster, in place; returns that
     cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] views of the index pools'

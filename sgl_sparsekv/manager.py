@@ -48,7 +48,7 @@ import torch
 
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import build_index_grouped, empty_index
+from sgl_sparsekv.index import build_index_grouped, empty_index, precompile_build
 from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
@@ -448,9 +448,7 @@ class SparseKVManager:
 
     def _precompile_build(self) -> None:
         """Compile the kernels that place a prompt's index (its chunks' keys, k-means) now, on eight made-up
-        chunks of a made-up key buffer laid out like the KV pool's. Placing runs inside a prefill, so their first
-        compile (seconds on a fresh machine) would stall the batch of the first long prompt; they do not specialize
-        on chunk or cluster counts, so these variants serve every prompt."""
+        chunks of a made-up key buffer laid out like the KV pool's (``index.precompile_build`` says why)."""
         Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
         n = 8
         if Ls == 0:
@@ -460,9 +458,8 @@ class SparseKVManager:
         out = torch.empty(Ls, n, H, 1, d, dtype=self.key_dtype, device=self.device)
         every = torch.arange(n + 1, device=self.device)
         pool_units_layers(ptrs, kv, every[:n].int(), every.int(), every[:n], out, False)
-        keys = torch.eye(n, d, device=self.device)[None]   # n unit keys, a few clusters of them
-        build_index_grouped(keys, torch.ones(n, device=self.device), self.cfg.fine_cluster_size,
-                            self.cfg.max_coarse, self.cfg.kmeans_iters)
+        c = self.cfg
+        precompile_build(d, self.device, c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:
