@@ -588,6 +588,7 @@ def main():
                      ("hardkuma_qwen_5prompts.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_fold.json", serving_table),
                      ("gpu_serving_h200_staged.json", serving_table),
                      ("gpu_serving_h200_band.json", serving_table),
                      ("gpu_serving_h200_expand32.json", serving_table),
