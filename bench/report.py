@@ -351,6 +351,24 @@ def grouped_bounds_table(path: Path) -> str:
                     rows)
 
 
+def fine_bounds_probes_table(path: Path) -> str:
+    """Fine-bounds kernel variants that were timed and not kept: per variant, context, prefix sharing and batch,
+    main's time and the variant's best setting."""
+    r = json.loads(path.read_text())
+    rows = []
+    for p in r["probes"]:
+        for x in p["rows"]:
+            main = x.get("main_ms", x.get("old_ms"))
+            best = min((k for k in x if k.endswith("_ms") and k not in ("main_ms", "old_ms")), key=x.get)
+            rows.append((p["name"], x["ctx"], "yes" if x["shared"] else "no", x["bs"], f"{main:.4f}",
+                         f"{x[best]:.4f}", best[:-3], "yes" if x[best[:-3] + "_equal"] else "no"))
+    variants = "; ".join(f"{p['name']} ({p['gpu']}, {p['tree']}): {p['variant']}" for p in r["probes"])
+    return md_table(f"Fine-bounds variants not kept, {r['device']}: {r['what']}. {variants} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["variant", "context", "shared prefix", "batch", "main ms", "variant ms (best)", "best setting",
+                     "bounds bit-equal"], rows)
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -601,6 +619,7 @@ def main():
                      ("gpu_serving_h200_qwen05b.json", serving_table),
                      ("gpu_serving_h200_check.json", serving_table),
                      ("gpu_serving_h100_random.json", serving_table),
+                     ("fine_bounds_probes_h200.json", fine_bounds_probes_table),
                      ("fine_bounds_grouped.json", grouped_bounds_table),
                      ("fine_bounds_variants.json", fine_bounds_variants_table),
                      ("gpu_serving_h100_default.json", serving_table),
