@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -147,19 +148,21 @@ def _launch(*args):
 
 def test_cli_flags_parse_and_fail_fast(smollm2_dir):
     base = ["--model-path", smollm2_dir, "--device", "cpu", "--grammar-backend", "none"]
-    ok = _launch(*base, "--sparse-kv", "lychee", "--sparse-kv-config", '{"token_budget": 256}')
-    assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "PARSED lychee {" in ok.stdout and "'token_budget': 256" in ok.stdout
-    off = _launch(*base)
-    assert "PARSED off {'method': 'off'" in off.stdout
-    for extra, needle in [
+    failing = [
         (["--sparse-kv", "lychee", "--sparse-kv-config", '{"chunk_max": 4}'], "chunk_min (8) > chunk_max (4)"),
         (["--sparse-kv", "quest", "--enable-mixed-chunk"], "--enable-mixed-chunk is not supported"),
         (["--sparse-kv", "sparse"], "invalid choice: 'sparse'"),
         (["--sparse-kv", "lychee", "--sparse-kv-config", '{"head_roles": "qwen2.5-coder-0.5b-calibrated-0.25"}'],
          "(made for qwen2.5-coder-0.5b: 24 layers, 2 KV heads, 2 dense) does not fit this model (30 layers"),
-    ]:
-        bad = _launch(*base, *extra)
+    ]
+    runs = [["--sparse-kv", "lychee", "--sparse-kv-config", '{"token_budget": 256}'], []] + [e for e, _ in failing]
+    # each run is a fresh interpreter importing SGLang (about 20 s, mostly one core): two at a time
+    with ThreadPoolExecutor(2) as pool:
+        ok, off, *bads = pool.map(lambda extra: _launch(*base, *extra), runs)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "PARSED lychee {" in ok.stdout and "'token_budget': 256" in ok.stdout
+    assert "PARSED off {'method': 'off'" in off.stdout
+    for bad, (_, needle) in zip(bads, failing):
         assert bad.returncode != 0
         last = bad.stderr.strip().splitlines()[-1]
         assert needle in last, bad.stderr[-2000:]
@@ -202,11 +205,11 @@ def test_missing_sglang_internal_refuses_to_start(smollm2_dir):
     """A hook that could not apply makes --sparse-kv refuse to start with one line naming it (never serve dense);
     --sparse-kv off is not affected."""
     base = ["--model-path", smollm2_dir, "--device", "cpu", "--grammar-backend", "none"]
-    bad = _launch_renamed(*base, "--sparse-kv", "lychee")
+    with ThreadPoolExecutor(2) as pool:   # two fresh interpreters importing SGLang, side by side
+        bad, off = pool.map(lambda extra: _launch_renamed(*base, *extra), [["--sparse-kv", "lychee"], []])
     assert bad.returncode != 0 and "PARSED" not in bad.stdout
     last = bad.stderr.strip().splitlines()[-1]
     assert last.startswith("error: sparse-kv: this SGLang lacks") and "ModelRunner._get_attention_backend" in last
-    off = _launch_renamed(*base)
     assert off.returncode == 0 and "PARSED off" in off.stdout
 
 
