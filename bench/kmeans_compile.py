@@ -28,12 +28,15 @@ import sgl_sparsekv.index as index  # noqa: E402
 from sgl_sparsekv.config import SparseKVConfig  # noqa: E402
 
 
+CFG = SparseKVConfig()   # the default lychee index: one chunk per fine cluster, 64 coarse units, 10 iterations
+
+
 def timed_build(n: int) -> float:
     keys = torch.nn.functional.normalize(torch.randn(240, n, 128, device="cuda"), dim=-1)
     lens = torch.full((n,), 9, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
-    index.build_index_grouped(keys, lens, 1.0, 64, 10)
+    index.build_index_grouped(keys, lens, CFG.fine_cluster_size, CFG.max_coarse, CFG.kmeans_iters)
     torch.cuda.synchronize()
     return round(1000 * (time.perf_counter() - t), 1)
 
@@ -52,8 +55,7 @@ def main():
     torch.cuda.synchronize()
     t = time.perf_counter()
     if a.mode == "precompiled":
-        c = SparseKVConfig()
-        index.precompile_build(128, "cuda", c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
+        index.precompile_build(128, "cuda", CFG.fine_cluster_size, CFG.max_coarse, CFG.kmeans_iters)
         torch.cuda.synchronize()
     pre = time.perf_counter() - t
     rng = random.Random(0)

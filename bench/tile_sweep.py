@@ -67,8 +67,8 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
                 def write():
                     ks._emit_write_kernel[(bs * H, parts)](
                         sel, sel.stride(0), cfine, cstart, clen, ranges, st, rows, seq, fresh, list_rows, r2t, counts,
-                        windows, lens, heads, H, r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile, BLOCK_T=64, MAXLEN=16,
-                        PARTS=parts, num_warps=warps)
+                        windows, lens, heads, H, r2t.stride(0), BUDGET, SINK, RECENT, H=H, CAP=BUDGET, BLOCK_M=tile,
+                        BLOCK_T=64, MAXLEN=16, PARTS=parts, num_warps=warps)
                 t1, t2 = graph_bench(count), graph_bench(write)
                 rows_out.append({"bs": bs, "k": "emit", "BLOCK_M": tile, "parts": parts, "warps": warps,
                                  "count_ms": round(t1, 4), "write_ms": round(t2, 4), "ms": round(t1 + t2, 4)})
