@@ -48,6 +48,18 @@ UNPLACED = [0] * NR                        # the ranges of a request without an 
 PADDING_ROW = UNPLACED + [0, 1, 0, 1, 0, 0, 0]   # a batch row past the requests: one token of request row 0
 
 
+def _segment_ranges(segs) -> tuple[list[int], int]:
+    """A request's pool ranges (RANGE_FIELDS without ``so``: segment 0, the adopted prefix's, then segment 1, its
+    own; segment 0 empty without an adopted prefix) and its fine clusters, from its index's segments."""
+    if len(segs) == 2:
+        a, b = segs
+        return [a.co, a.P, a.fo, a.L, a.ko, a.M, b.co, b.P, b.fo, b.L, b.ko, b.M], a.L + b.L
+    if segs:
+        b = segs[0]
+        return [0, 0, 0, 0, 0, 0, b.co, b.P, b.fo, b.L, b.ko, b.M], b.L
+    return [], 0
+
+
 class PooledDecode:
     def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int = 32):
         """``parts``: programs per (request, KV head) in selection and emission."""
@@ -149,43 +161,54 @@ class PooledDecode:
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
+        budget, every = cfg.token_budget, self.every
         table = []   # per batch row: RANGE_FIELDS, then EXTRA
-        so, room, direct_rows, attended, scored, reused = 0, self.scratch[0].shape[1], 0, 0, 0, 0
+        so, room, reused = 0, self.scratch[0].shape[1], 0
         states = [m.states.get(row) for row in rows]
-        batch = {id(st) for st in states}
+        batch = {id(st) for st in states} if every > 1 else None
+        direct_lens = []
         for i, (row, S, segs, state) in enumerate(zip(rows, seq_lens, segments, states)):
-            need = sum(seg.L for seg in segs)
-            list_row, fresh, tail_from = self._list_row(state, S, i, batch)
+            list_row, fresh, tail_from = (i, 1, S) if every == 1 else self._list_row(state, S, i, batch)
+            ranges, need = _segment_ranges(segs)
             placed = bool(segs) and (not fresh or so + need <= room)
-            ranges = UNPLACED
-            if placed and fresh:   # the own segment is segment 1; without an adopted prefix segment 0 is empty
-                ranges = [0] * 6 * (2 - len(segs))
-                for seg in segs:
-                    ranges += (seg.co, seg.P, seg.fo, seg.L, seg.ko, seg.M)
+            if placed and fresh:
                 ranges.append(so)
                 so += need
-            direct = m.needs_sparse(S) and not placed
-            if direct and segs and fresh:
-                self._scratch_full()
-            if direct and state is not None and state.lists is not None:   # its lists are not written this step:
-                state.lists = (self, list_row, -self.every)                   # it keeps the row, selects next step
+            else:
+                ranges = UNPLACED
+            direct = S > budget and not placed   # past the budget without its index: the whole sequence
+            if direct:
+                direct_lens.append(S)
+                if segs and fresh:
+                    self._scratch_full()
+                if state is not None and state.lists is not None:   # its lists are not written this step: it
+                    state.lists = (self, list_row, -every)            # keeps the row, selects at the next step
             table.append(ranges + [row, S, retrieve, direct, fresh and not direct, list_row, tail_from])
-            direct_rows += direct
             reused += not (fresh or direct)
-            attended += S if direct else min(S, cfg.token_budget)
-            scored += 0 if direct or cfg.rerank_factor == 1 or S <= cfg.token_budget else min(S, self.cap_c)
         table += [PADDING_ROW] * (padded_bs - len(rows))
         table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + len(EXTRA))
-        m.stats["context_tokens"] += sum(seq_lens)
-        m.stats["attended_tokens"] += attended
-        m.stats["scored_tokens"] += scored
-        m.stats["dense_fallback_steps"] += direct_rows
-        m.stats["reused_list_steps"] += reused
+        self._count(seq_lens, direct_lens, reused)
         if DEBUG:
             check_table(table.T, len(rows), m.pools.capacity, room, req_to_token.shape)
         self.staging.host().numpy()[:, :padded_bs] = table.T
         self.staging.upload()
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
+
+    def _count(self, seq_lens: list[int], direct_lens: list[int], reused: int) -> None:
+        """A step's counters: tokens of context, tokens attended (the whole sequence of a direct row, else at most
+        the budget), tokens scored by a rerank (its candidates), dense-fallback rows, rows that reused lists."""
+        m, cfg = self.manager, self.cfg
+        budget = cfg.token_budget
+        direct = sum(direct_lens)
+        m.stats["context_tokens"] += sum(seq_lens)
+        # the attended tokens: every row's min(S, budget), with a direct row's min replaced by its whole S
+        m.stats["attended_tokens"] += sum(min(S, budget) for S in seq_lens) + direct - sum(
+            min(S, budget) for S in direct_lens)
+        if cfg.rerank_factor > 1:   # a row past the budget that selects scores its candidates (direct ones do not)
+            m.stats["scored_tokens"] += sum(min(S, self.cap_c) for S in seq_lens if S > budget) - sum(
+                min(S, self.cap_c) for S in direct_lens)
+        m.stats["dense_fallback_steps"] += len(direct_lens)
+        m.stats["reused_list_steps"] += reused
 
     def _scratch_full(self) -> None:
         """A request whose index is in the pools found no room in the step's selection scratch: it decodes densely

@@ -283,8 +283,13 @@ def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely(every):
     before = w.pooled.stats["dense_fallback_steps"]
     overflows = []
     for _ in range(6 if every > 1 else 3):
+        attended = w.pooled.stats["attended_tokens"]
         w.decode_batch(list(w.live))
         overflows.append(w.overflow)
+        # the attended tokens count a dense row's whole sequence, a sparse row's budget
+        seqs = w.decoder.seq[:2].tolist()
+        assert w.pooled.stats["attended_tokens"] - attended == sum(
+            S if r.req_pool_idx in w.overflow else min(S, w.cfg.token_budget) for r, S in zip(w.live, seqs))
     if every == 1:
         assert overflows == [{w.live[1].req_pool_idx}] * 3
         assert w.pooled.stats["dense_fallback_steps"] - before == 3 == w.pooled.stats["scratch_full_steps"]
