@@ -383,7 +383,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     """
     bs, Hq, D = q.shape
     cmu, cr, ctok = coarse
-    fmu, fr, ftok, fpar = fine
+    ftok = fine[2]
     H = cmu.shape[1]
     G = Hq // H
     BLOCK_P = _block_p(max_coarse)
