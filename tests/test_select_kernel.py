@@ -36,11 +36,15 @@ def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0):
     return indexes, starts, lens, torch.stack(qs)
 
 
-@pytest.mark.parametrize("G,D", [(1, 64), (3, 64), (4, 128), (7, 64)])
-def test_select_fine_matches_reference(G, D):
+@pytest.mark.parametrize("G,D,dtype", [(1, 64, torch.float32), (3, 64, torch.float32), (4, 128, torch.float32),
+                                       (7, 64, torch.float32), (4, 128, torch.bfloat16), (3, 64, torch.bfloat16)])
+def test_select_fine_matches_reference(G, D, dtype):
+    """bf16 queries take the fine bounds' tensor-core path (fp32 ones the FMA path); the reference scores the same
+    query values in fp32."""
     gen = torch.Generator().manual_seed(G * 10 + D)
     bs, H = 3, 2
     indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen)
+    q = q.to(dtype)
     coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
     budgets = [100, 400, 10_000]
     for expand, parts, rw, band in ((1.0, 1, 1.0, (64, 1 << 16)), (4.0, 3, 1.0, (2, 1 << 10)), (1e6, 8, 1.0, (64, 1)),
@@ -48,7 +52,7 @@ def test_select_fine_matches_reference(G, D):
         sel = select_fine(q.to(DEV), coarse, fine, ranges, torch.tensor(budgets, dtype=torch.int32, device=DEV),
                           expand, parts=parts, radius_weight=rw, cut_band=band).cpu()
         for b, ix in enumerate(indexes):
-            ref = select_clusters(ix, q[b].view(H, G, D), budgets[b], expand, "max", rw)
+            ref = select_clusters(ix, q[b].float().view(H, G, D), budgets[b], expand, "max", rw)
             got = sel[:, own_rows(ranges, b)] > 0
             assert torch.equal(got, ref), (b, expand, rw)
 
@@ -142,17 +146,22 @@ def test_emit_matches_reference_mask():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cut_block,rw,heads", [(4096, 1.0, None), (512, 1.0, None), (4096, 0.25, None),
-                                                (4096, 0.25, [1, 4, 7])])
-def test_select_and_emit_real_shapes(cut_block, rw, heads):
+@pytest.mark.parametrize("cut_block,rw,heads,dtype", [(4096, 1.0, None, torch.float32),
+                                                      (512, 1.0, None, torch.float32),
+                                                      (4096, 0.25, None, torch.float32),
+                                                      (4096, 0.25, [1, 4, 7], torch.float32),
+                                                      (4096, 0.25, None, torch.bfloat16),
+                                                      (512, 0.25, [1, 4, 7], torch.bfloat16)])
+def test_select_and_emit_real_shapes(cut_block, rw, heads, dtype):
     """Llama-3.1-8B shape (8 KV heads x 4, d 128), 8 requests of ~40K-60K tokens, budget 1024; ``cut_block``
     512 takes the cut's pass over memory (by default requests past 16384 fine clusters, about 196K tokens); ``rw``
     is the radius weight of the ranking; ``heads``: only these retrieve (hybrid heads), the others' rows stay as they
-    were."""
+    were; bf16 queries (a served model's) score the fine bounds on the tensor cores."""
     gen = torch.Generator().manual_seed(0)
     bs, H, G, D = 8, 8, 4, 128
     chunks = torch.randint(3000, 5000, (bs,), generator=gen).tolist()
     indexes, starts, lens, q = make_batch(bs, H, G, D, chunks, gen)
+    q = q.to(dtype)
     coarse, fine, chunk_pool, ranges = pack(indexes, starts, lens, DEV)
     sink, recent, budget = 16, 64, 1024
     rem = torch.full((bs,), budget - sink - recent, dtype=torch.int32, device=DEV)
