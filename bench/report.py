@@ -375,7 +375,7 @@ def cut_probe_table(path: Path) -> str:
     variants = list(dict.fromkeys(x["variant"] for x in r["rows"]))
     cases = list(dict.fromkeys((x["ctx"], x["bs"], x["fine_clusters"]) for x in r["rows"]))
     ms = {(x["variant"], x["ctx"], x["bs"]): x["cut_ms"] for x in r["rows"]}
-    return md_table(f"Budget-cut variant not kept, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
+    return md_table(f"Budget-cut variant, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["context", "batch", "fine clusters", *(f"{v} ms" for v in variants)],
                     [(c, b, n, *(f"{ms[v, c, b]:.4f}" for v in variants)) for c, b, n in cases])
@@ -621,6 +621,7 @@ def main():
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
+                     ("cut_band_pairwise_h200.json", cut_probe_table),
                      ("cut_kary_probe_h200.json", cut_probe_table),
                      ("gpu_serving_h200_fold.json", serving_table),
                      ("gpu_serving_h200_staged.json", serving_table),
