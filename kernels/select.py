@@ -269,6 +269,16 @@ def _bisect(lo, hi, stop, live, key, tok, past, budget):
 
 
 @triton.jit
+def _band_cut(lo, live, key, tok, past, budget):
+    """``_bisect`` to one key, for a band of a few clusters in one pairwise pass: the largest key whose mass
+    (``past`` plus the band's tokens keyed at or above it) overflows the budget, else ``lo`` (all fits). Token
+    counts are whole numbers, so the sums are exact and the key is the one bisection finds."""
+    at_or_above = live[None, :] & (key[None, :] >= key[:, None])
+    mass = past + tl.sum(tl.where(at_or_above, tok[None, :], 0.0), 1)
+    return tl.max(tl.where(live & (mass > budget), key, lo), 0)
+
+
+@triton.jit
 def _take(live, key, tok, lo, above, budget):
     """The picks of a tile: every live cluster keyed above ``lo``, and those keyed ``lo`` in index order while
     ``above`` (the tokens taken before them) plus their running total stays within the budget; and the tile's
@@ -303,7 +313,7 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr,
         jm = j < n
         bub, btok = _bounds_and_tokens(Bh, FTok, tl.load(Sh + j, mask=jm, other=0.0).to(tl.int32), jm, fo0, L0, fo1,
                                        h, H)
-        lo, hi = _bisect(lo, hi, 1, jm, _order_key(bub), btok, past, budget)
+        lo = _band_cut(lo, jm, _order_key(bub), btok, past, budget)
         tl.debug_barrier()   # the band's indexes are read before the picks overwrite them
     else:   # many clusters share a handful of keys (exact ties): the passes stay on the whole tile
         lo, hi = _bisect(lo, hi, 1, live, key, tok, 0.0, budget)
