@@ -24,7 +24,9 @@ prefill writes the keys (``pool_layer``), and selects per request (``select``).
 A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
 scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
 of units cut at decode are gathered with the next graft's chunks and come back one step after it
-(``transfer.LateRead``); quest asks for them at every step.
+(``transfer.LateRead``); quest asks for them at every step. A prefill does not wait either: it asks for its
+units' key slots in its own step, and the next prefill (the first that could hit them in the radix cache) waits
+for them.
 
 It knows nothing of SGLang: the attention backend in ``sgl_sparsekv.patches`` feeds it batch
 facts (request pool rows, lengths, the requests' token ids) and the per-layer KV buffers.
@@ -205,7 +207,7 @@ class SparseKVManager:
         self._k_ptrs = None   # (base addresses, their device table) of the sparse layers' key buffers
         self._segment_chains: dict[int, np.ndarray] = {}   # unit chain of each shared segment in the pools, by key
         self._segment_keys = 0
-        # key slots of units cut at decode and freed KV slots, both read back from the device without waiting,
+        # key slots of new units and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
         self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0,
@@ -287,9 +289,10 @@ class SparseKVManager:
                        req_to_token: torch.Tensor, tokens: list) -> PoolPlan:
         """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
         t0 = time.perf_counter()
-        self.apply_frees()   # waits: a radix hit may reach units cut at decode
+        self.apply_frees()   # waits: a radix hit may reach units whose key slots are still on their way
         self.stats["extend_wait_s"] += time.perf_counter() - t0
         plan = PoolPlan(req_to_token)
+        states = []
         for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
             state = self.states.get(idx)
             if state is None or state.seq_len != prefix:
@@ -300,7 +303,9 @@ class SparseKVManager:
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
                 self.stats["extend_wait_s"] += time.perf_counter() - t0
             state.seq_len = seq
-            self._cut(state, toks, idx, seq, plan, req_to_token)
+            self._cut(state, toks, idx, seq, plan)
+            states.append(state)
+        self._read_keys(self._ask_keys(states, plan), plan)
         return plan
 
     def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
@@ -327,7 +332,7 @@ class SparseKVManager:
         return plan
 
     def _ask_keys(self, states: list[RequestState], plan: PoolPlan) -> list[int]:
-        """Add the key positions of the states' units cut at decode to the plan (before it is packed); their ids."""
+        """Add the key positions of the states' units not keyed yet to the plan (before it is packed); their ids."""
         la, start, asked = self.chunker.lookahead, self.store.unit_start, []
         for s in states:
             if s.unkeyed:
@@ -347,31 +352,22 @@ class SparseKVManager:
         state.starts.extend(self.store.unit_start[found].tolist())   # host arrays: no device sync
         state.ends.extend(self.store.unit_end[found].tolist())
 
-    def _cut(self, state: RequestState, tokens, row: int, known: int, plan: PoolPlan,
-             req_to_token: torch.Tensor | None = None) -> None:
-        """Cut every unit whose decision window lies inside the request's first ``known`` tokens.
-
-        With ``req_to_token`` (prefill) units are keyed by their key slots at once, which finds the units of a
-        cached prefix the radix match gave (one device read per request); without it (decode) they are new
-        units whose key slots are read back one step late.
-        """
+    def _cut(self, state: RequestState, tokens, row: int, known: int, plan: PoolPlan) -> None:
+        """Cut every unit whose decision window lies inside the request's first ``known`` tokens: new units whose
+        key slots the step reads back without waiting (``_ask_keys``); the next prefill's ``apply_frees`` waits
+        for them, so a radix hit on them finds them (``_adopt_prefix``)."""
         start = state.indexed_end
         if tokens is None or known - start < self.chunker.lookahead:
             return
         ends = self.chunker.cuts(tokens[start:known]).tolist()
         if not ends:
             return
-        la = self.chunker.lookahead
-        slots = req_to_token[row, start:known].to("cpu", torch.int64).tolist() if req_to_token is not None else None
         prev = 0
         for end in ends:
             a, b = start + prev, start + end
-            if slots is not None:
-                uid, fresh = self.store.add_or_reuse(a, b, slots[prev + la - 1])  # last token the cut depended on
-            else:
-                uid, fresh = self.store.add_unkeyed(a, b), True
-                state.unkeyed.append(uid)
-            if fresh and self.store.summary is not None:   # quest pools its units' summaries
+            uid = self.store.add_unkeyed(a, b)
+            state.unkeyed.append(uid)
+            if self.store.summary is not None:   # quest pools its units' summaries
                 plan.add(uid, row, a, b)
             state.units.append(uid)
             state.starts.append(a)

@@ -42,7 +42,7 @@ class UnitStore:
         self.summary = (torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
                         if vecs_per_unit else None)
         self._free: list[int] = []
-        self.unkeyed = 0   # units cut at decode whose key slot is still on its way back from the device
+        self.unkeyed = 0   # units whose key slot is still on its way back from the device
         self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
         self._grow(capacity)
 
@@ -82,28 +82,9 @@ class UnitStore:
         return self.live_units * per_unit
 
     # ------------------------------------------------------------------ units
-    def add_or_reuse(self, start: int, end: int, key_slot: int) -> tuple[int, bool]:
-        """The unit ``[start, end)`` keyed by ``key_slot``; one reference for the caller.
-
-        Returns (unit id, True if it is new: its summary, if the store keeps one, must still be computed).
-        """
-        uid = int(self.slot_unit[key_slot])
-        if uid >= 0 and int(self.unit_start[uid]) == start and int(self.unit_end[uid]) == end:
-            self.refs[uid] += 1
-            self.stats["units_reused"] += 1
-            return uid, False
-        if uid >= 0:  # another method's or setting's unit: the slot changes hands
-            self.release([uid])
-        uid = self._alloc()
-        self.unit_start[uid], self.unit_end[uid] = start, end
-        self.refs[uid] = 2  # the slot's reference and the caller's
-        self.slot_unit[key_slot] = uid
-        self.stats["units_built"] += 1
-        return uid, True
-
     def add_unkeyed(self, start: int, end: int) -> int:
-        """A new unit ``[start, end)`` whose key slot is not known on the host yet (cut at decode: the slot
-        comes back one step late, see :meth:`key`); one reference for the caller, one held for the slot."""
+        """A new unit ``[start, end)`` whose key slot is not known on the host yet (it comes back from the
+        device one step late, see :meth:`key`); one reference for the caller, one held for the slot."""
         uid = self._alloc()
         self.unit_start[uid], self.unit_end[uid] = start, end
         self.refs[uid] = 2

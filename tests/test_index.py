@@ -191,7 +191,8 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
 
     store = UnitStore(num_slots=64, num_layers=1, num_kv_heads=2, head_dim=16, vecs_per_unit=1)
     gen = torch.Generator().manual_seed(0)
-    ids = [store.add_or_reuse(i * 10, i * 10 + 10, i)[0] for i in range(12)]
+    ids = [store.add_unkeyed(i * 10, i * 10 + 10) for i in range(12)]
+    store.key(ids, list(range(12)))
     lens = torch.full((12,), 10)
     index = build_index(_keys("random", 2, 12, 16, gen), lens, 2.0, 64, 5)
     one = index.compact().nbytes()   # the cache keeps centroids in their storage dtype
