@@ -108,12 +108,17 @@ def serving_table(path: Path) -> str:
             vs4k = f"{x / short:.2f}" if short else "n/a"
             lines.append(f"| {ctx} tokens | {v['tpot_ms']:.2f} | {x:.2f} | {x / v['tpot_ms']:.2f} | {vs4k} |")
         lines.append("")
-    lines += ["| workload | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
-              "mean TTFT s dense / lychee | lychee host ms per decode step | lychee dense-fallback steps | errors |",
-              "|---|---|---|---|---|---|---|---|"]
+    if any(key in s for key, _ in WORKLOADS):
+        lines += ["| workload | output tok/s dense / lychee | throughput ratio | median ITL ms dense / lychee | "
+                  "mean TTFT s dense / lychee | lychee host ms per decode step | lychee dense-fallback steps | "
+                  "errors |", "|---|---|---|---|---|---|---|---|"]
     for key, label in WORKLOADS:
         if key not in s:
             continue
+        if key == "random":   # its prompts, concurrency and output length are the run's settings
+            c = r["settings"]
+            label = (f"random ids: 32K in, {c['output_len']} out, {c['prompts']} prompts, "
+                     f"concurrency {c['concurrency']}")
         y = s[key]
         x = d.get(key, {})   # a dense run cut by the call's time limit reads n/a
 
@@ -618,6 +623,10 @@ def main():
                      ("hardkuma_qwen_5prompts.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_latekeys.json", serving_table),
+                     ("gpu_serving_h200_random_latekeys.json", serving_table),
+                     ("gpu_serving_h200_random_c1.json", serving_table),
+                     ("gpu_serving_h200_tpot.json", serving_table),
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
