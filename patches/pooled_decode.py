@@ -161,7 +161,7 @@ class PooledDecode:
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
-        budget, every = cfg.token_budget, self.every
+        every = self.every
         table = []   # per batch row: RANGE_FIELDS, then EXTRA
         so, room, reused = 0, self.scratch[0].shape[1], 0
         states = [m.states.get(row) for row in rows]
@@ -176,7 +176,7 @@ class PooledDecode:
                 so += need
             else:
                 ranges = UNPLACED
-            direct = S > budget and not placed   # past the budget without its index: the whole sequence
+            direct = m.needs_sparse(S) and not placed   # past the budget without its index: the whole sequence
             if direct:
                 direct_lens.append(S)
                 if segs and fresh:
@@ -205,7 +205,7 @@ class PooledDecode:
         m.stats["attended_tokens"] += sum(min(S, budget) for S in seq_lens) + direct - sum(
             min(S, budget) for S in direct_lens)
         if cfg.rerank_factor > 1:   # a row past the budget that selects scores its candidates (direct ones do not)
-            m.stats["scored_tokens"] += sum(min(S, self.cap_c) for S in seq_lens if S > budget) - sum(
+            m.stats["scored_tokens"] += sum(min(S, self.cap_c) for S in seq_lens if m.needs_sparse(S)) - sum(
                 min(S, self.cap_c) for S in direct_lens)
         m.stats["dense_fallback_steps"] += len(direct_lens)
         m.stats["reused_list_steps"] += reused
