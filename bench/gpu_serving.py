@@ -25,6 +25,8 @@ import argparse
 import json
 import os
 import random
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -99,10 +101,27 @@ def shared_prefix(per_group: int) -> list[str]:
 SHARED = (shared_prefix(16), 32, 16)   # the shared-prefix workload: (dataset, prompts, concurrency)
 
 
+# the scheduler's log line every decode_log_interval steps: batch size, and output tokens per second since the last
+DECODE_LINE = re.compile(r"Decode batch.*?#running-req: (\d+),.*?gen throughput \(token/s\): ([\d.]+)")
+
+
+def steady_decode(log: str, batch: int) -> dict | None:
+    """Decode throughput at full batch from the server's log lines of one workload: the median (and best) of the
+    lines logged with ``batch`` requests running. A line covers the steps since the one before, so one with a
+    prefill among them reads low; the median is the decode rate between prefills."""
+    rates = [float(t) for n, t in DECODE_LINE.findall(log) if int(n) == batch]
+    if not rates:
+        return None
+    return {"batch": batch, "lines": len(rates), "median_tok_s": round(statistics.median(rates), 1),
+            "max_tok_s": round(max(rates), 1)}
+
+
 def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port), *dataset,
            "--max-concurrency", str(concurrency), "--output-file", out_file]
     before = srv.stats()
+    srv.log.flush()
+    log_from = os.path.getsize(srv.log_path)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(p.stdout[-1500:], p.stderr[-1500:], flush=True)
     with open(out_file) as f:
@@ -112,6 +131,9 @@ def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int,
     after = srv.stats()
     out["plugin"] = {k: after[k] - before.get(k, 0) for k in DELTAS if k in after}
     out["index_pools_after"] = after.get("index_pools")
+    with open(srv.log_path, errors="replace") as f:
+        f.seek(log_from)
+        out["steady_decode"] = steady_decode(f.read(), concurrency)
     steps = out["plugin"].get("sparse_steps", 0) + out["plugin"].get("dense_steps", 0)
     if steps:
         out["host_ms_per_decode_step"] = round(1000 * out["plugin"]["decode_prepare_s"] / steps, 3)
@@ -171,7 +193,11 @@ def ratios(dense: dict, lychee: dict) -> dict:
     def r(k):
         return round(lychee[k] / dense[k], 3) if dense.get(k) and lychee.get(k) is not None else None
 
-    return {"throughput_ratio": r("output_throughput"), "median_tpot_ratio": r("median_tpot_ms"),
+    steady = [w.get("steady_decode") or {} for w in (dense, lychee)]
+    return {"throughput_ratio": r("output_throughput"),
+            "steady_decode_ratio": round(steady[1]["median_tok_s"] / steady[0]["median_tok_s"], 3)
+            if all(steady) else None,
+            "median_tpot_ratio": r("median_tpot_ms"),
             "median_itl_ratio": r("median_itl_ms"), "mean_ttft_ratio": r("mean_ttft_ms"),
             "lychee_host_ms_per_decode_step": lychee.get("host_ms_per_decode_step"),
             "lychee_decode_host_syncs": lychee.get("plugin", {}).get("decode_host_syncs"),

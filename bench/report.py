@@ -129,6 +129,12 @@ def serving_table(path: Path) -> str:
         lines.append(f"| {label} | {pair('output_throughput')} | {ratio} | {pair('median_itl_ms', fmt='.1f')} | "
                      f"{pair('mean_ttft_ms', 1000, '.2f')} | {y.get('host_ms_per_decode_step', 'n/a')} | "
                      f"{y.get('plugin', {}).get('dense_fallback_steps', 'n/a')} | {pair('errors')} |")
+    for key, _ in WORKLOADS:
+        steady = [r.get(m, {}).get(key, {}).get("steady_decode") for m in ("dense", "lychee")]
+        if all(steady):
+            lines += ["", f"Steady decode in {key} at batch {steady[0]['batch']} (median of the servers' decode log "
+                          f"lines at that batch): {steady[0]['median_tok_s']:.0f} / {steady[1]['median_tok_s']:.0f} "
+                          f"tok/s dense / lychee, {steady[1]['median_tok_s'] / steady[0]['median_tok_s']:.2f}x."]
     if "greedy_equal_within_budget" in r:
         lines += ["", f"Greedy tokens equal dense within the budget: {r['greedy_equal_within_budget']}; past the "
                       f"budget (4K prompt): {r['greedy_past_budget_same_tokens']} tokens the same."]

@@ -85,3 +85,23 @@ def test_free_ports_stay_below_the_ports_the_os_numbers_itself():
     ports = [free_port() for _ in range(200)]
     assert all(p + 239 < floor for p in ports), (floor, max(ports))
     assert len(set(ports)) > 100   # still spread, so parallel servers rarely pick the same one
+
+
+def test_steady_decode_reads_the_full_batch_lines_of_the_servers_log():
+    """bench.gpu_serving's steady decode rate: the median of the scheduler's decode lines at the workload's batch,
+    from SGLang 0.5.15's log format; lines of smaller batches (ramp-up, the tail) do not count."""
+    from bench.gpu_serving import ratios, steady_decode
+
+    def line(n, rate):
+        return (f"[2026-12-01 13:41:22] Decode batch, #running-req: {n}, #token: 4048, token usage: 0.01, "
+                f"cuda graph: True, gen throughput (token/s): {rate}, #queue-req: 0")
+
+    log = "\n".join([line(1, 173.83), line(16, 1500.0), "Prefill batch, #new-seq: 1, #running-req: 16",
+                     line(16, 1625.5), line(16, 1610.25), line(8, 900.0), line(160, 1.0)])
+    got = steady_decode(log, 16)
+    assert got == {"batch": 16, "lines": 3, "median_tok_s": 1610.2, "max_tok_s": 1625.5}
+    assert steady_decode(log, 32) is None
+    base = {"output_throughput": 1.0, "errors": 0}
+    r = ratios({**base, "steady_decode": steady_decode(log, 8)}, {**base, "steady_decode": got})
+    assert r["steady_decode_ratio"] == round(1610.2 / 900.0, 3)
+    assert ratios({**base, "steady_decode": None}, {**base, "steady_decode": got})["steady_decode_ratio"] is None
