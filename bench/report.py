@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -591,7 +592,17 @@ def tp_fidelity_table(path: Path) -> str:
                      f"answer text as at {' / '.join(c['labels'])}"], rows)
 
 
-def main():
+# the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
+# bench/RESULTS.md
+LATEST = ("gpu_serving_h200_latekeys.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
+          "gpu_serving_h200_tpot.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Markdown tables of the committed results")
+    ap.add_argument("--latest", action="store_true", help="only the README's tables (LATEST)")
+    latest = ap.parse_args(argv).latest
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
@@ -691,11 +702,15 @@ def main():
                      ("host_prepare_h100.json", host_table),
                      ("kernels_h200.json", kernels_table), ("gpu_serving_load_h100.json", load_table),
                      ("stress_h100.json", stress_table)):
+        if latest and name not in LATEST:
+            continue
         if isinstance(name, tuple):
-            out.append(fn([RESULTS / n for n in name]))
+            out.append((name, fn([RESULTS / n for n in name])))
         elif (p := RESULTS / name).exists():
-            out.append(fn(p))
-    print("\n\n".join(out))
+            out.append((name, fn(p)))
+    if latest:
+        out.sort(key=lambda t: LATEST.index(t[0]))
+    print("\n\n".join(table for _, table in out))
 
 
 if __name__ == "__main__":
