@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (../shared/gpu/README.md), from the repository root, with .gpu-bundle carried:
+#   bash bench/on_device.sh tests                                  # pytest -m gpu, log in $OUT/gpu_tests.log
+#   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
+#   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
+#    a resume_s.json in the tree root is resumed, so dense can follow lychee in a second call on the same machine)
+# Each command stays under the call's 600 s; $OUT/gpu.txt names the card.
+set -uo pipefail
+source .gpu-bundle/setup.sh > /dev/null
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/gpu.txt"
+case "$1" in
+  tests)
+    timeout 560 python3 -m pytest -m gpu -q tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+  serve)
+    name=$2; methods=$3; workload=$4; shift 4
+    [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
+    resume=(); [ -f resume_s.json ] && resume=(--resume resume_s.json)
+    # shellcheck disable=SC2086  # METHODS and the workload are word lists
+    timeout 580 python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$name.json" --methods $methods \
+      --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15 ;;
+  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...]" >&2; exit 2 ;;
+esac
