@@ -101,8 +101,8 @@ class RequestState:
 @dataclass
 class PoolPlan:
     """Token spans whose keys this forward pools: (output row, request row, start, end), whose KV slots are
-    gathered from ``req_to_token`` on the device; and the (request row, position) of each decode-cut unit's key
-    slot, gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``.
+    gathered from ``req_to_token`` on the device; and the (request row, position) of each new unit's key slot,
+    gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``.
     ``payload``: more integers for the step's kernels, uploaded with them."""
 
     req_to_token: torch.Tensor | None = None
