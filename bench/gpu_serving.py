@@ -120,8 +120,7 @@ def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int,
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port), *dataset,
            "--max-concurrency", str(concurrency), "--output-file", out_file]
     before = srv.stats()
-    srv.log.flush()
-    log_from = os.path.getsize(srv.log_path)
+    log_from = os.path.getsize(srv.log_path)   # the server writes its log itself: nothing buffered here
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     print(p.stdout[-1500:], p.stderr[-1500:], flush=True)
     with open(out_file) as f:
