@@ -393,6 +393,17 @@ def cut_probe_table(path: Path) -> str:
                     [(c, b, n, *(f"{ms[v, c, b]:.4f}" for v in variants)) for c, b, n in cases])
 
 
+def pdl_probe_table(path: Path) -> str:
+    """One sparse layer's kernel chain in one graph, launched plainly and with programmatic dependent launch."""
+    r = json.loads(path.read_text())
+    phases = ("coarse", "fine_bounds", "cut", "emit", "attend")
+    return md_table(f"Kernel chain, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["context", "batch", "fine clusters", *(f"{p} ms" for p in phases), "chain ms", "chain with PDL ms"],
+                    [(x["ctx"], x["bs"], x["fine_clusters"], *(f"{x[p + '_ms']:.4f}" for p in phases),
+                      f"{x['layer_ms']:.4f}", f"{x['layer_pdl_ms']:.4f}") for x in r["rows"]])
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -647,6 +658,7 @@ def main(argv=None):
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
+                     ("pdl_probe_h200.json", pdl_probe_table),
                      ("cut_band_pairwise_h200.json", cut_probe_table),
                      ("cut_kary_probe_h200.json", cut_probe_table),
                      ("gpu_serving_h200_fold.json", serving_table),

@@ -1,5 +1,6 @@
 """Where a sparse decode layer's time goes on the GPU: coarse expansion, fine bounds, the budget cut, token-list emission
-and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys).
+and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape, random unit keys); then the layer's
+whole chain of kernels in one graph (``layer_ms``).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
         [--shared] [--sizes 1 2] [--expands 16 8] [--reranks 1 2] [--cut-bands 64:65536 1:1]
@@ -82,6 +83,16 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
               *([("rerank", rerank_step)] if rerank > 1 else []), ("attend", attend)]
     for _, f in phases:
         f()
+
+    def layer():   # the whole chain through the launch wrappers, as the server runs it
+        ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, expand, parts=parts, out=c["scratch"],
+                                      radius_weight=0.25, heads=heads, cut_band=cut_band),
+                       chunks, ranges, rows, seq, req_to_token, sink, recent, cap_c, dense_limit=budget, parts=parts,
+                       out=out, heads=heads)
+        if rerank > 1:
+            rerank_step()
+        attend()
+
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
@@ -89,7 +100,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
             "retrieving_heads": R, "shared_prefix": shared, "cut_band": list(cut_band), "rerank_factor": rerank, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             "candidates_per_list": int(out[0][:bs * H].float().mean()), "attended_per_list": int(lists[0][:bs * H].float().mean()),
-            **{f"{n}_ms": round(graph_bench(f), 4) for n, f in phases}}
+            **{f"{n}_ms": round(graph_bench(f), 4) for n, f in phases}, "layer_ms": round(graph_bench(layer), 4)}
 
 
 def main():
