@@ -83,6 +83,34 @@ def test_select_fine_ties_and_the_memory_pass(cut_block, cut_band):
     assert ties > 0
 
 
+@pytest.mark.parametrize("cut_block,path", [(256, "live list, tile 64"), (128, "every cluster, tile 128"),
+                                            (64, "pass over memory")])
+def test_select_fine_cuts_the_live_clusters_of_many(cut_block, path):
+    """Past a quarter of ``cut_block`` fine clusters the cut first lists the live ones (those of expanded coarse
+    units) and cuts only those when they fit a quarter of the block. Pairs of live clusters tie exactly on their
+    bound, so the list must keep index order. The second request has 100 clusters, 51-59 of them live per head: the
+    blocks send it down each ``path``; the kernels pick what their torch twin picks on the same pools."""
+    gen = torch.Generator().manual_seed(3)
+    bs, H, G, D = 3, 2, 2, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 200, 9], gen, noise=0.3)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
+    fmu, fr = fine[0], fine[1]
+    rows = torch.arange(own_rows(ranges, 1).start, own_rows(ranges, 1).stop, device=DEV)
+    fmu[rows[1::2]], fr[rows[1::2]] = fmu[rows[:-1:2]], fr[rows[:-1:2]]   # each odd cluster ties the one before
+    budgets = torch.tensor([50, 333, 10_000], dtype=torch.int32, device=DEV)
+    out = scratch(fine[1].shape[0], H, DEV)
+    sel = select_fine(q.to(DEV), coarse, fine, ranges, budgets, 4.0, parts=2, cut_block=cut_block, out=out).cpu()
+    live = (out[0][:, own_rows(ranges, 1)] > NEG).sum(1)
+    L, quarter = rows.numel(), cut_block // 4
+    assert L > quarter and {"live list, tile 64": (live > 32) & (live <= 64),
+                            "every cluster, tile 128": (live > quarter) & (L <= cut_block),
+                            "pass over memory": torch.tensor(L > cut_block)}[path].all(), (live, path)
+    ref = select_fine_ref(q.to(DEV), coarse, fine, ranges, budgets, 4.0, parts=2, cut_block=cut_block).cpu()
+    for b in range(bs):
+        assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref[:, own_rows(ranges, b)] > 0), b
+    assert (sel[:, own_rows(ranges, 1)] > 0).any(1).all()
+
+
 def with_childless_units(ix, every: int = 2):
     """``ix`` with an empty coarse unit (no fine cluster, radius -inf) before every ``every``-th unit, parents
     renumbered: fine-cluster runs of length zero, which k-means can leave, in the middle and at both ends."""
