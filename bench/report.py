@@ -382,15 +382,22 @@ def fine_bounds_probes_table(path: Path) -> str:
 
 
 def cut_probe_table(path: Path) -> str:
-    """A budget-cut variant against main's, swapped into one tree in one call: ms per layer by context and batch."""
+    """A budget-cut variant against main's: ms per layer by context and batch (and the layer's whole chain where
+    measured); "-" where a variant did not run a case."""
     r = json.loads(path.read_text())
     variants = list(dict.fromkeys(x["variant"] for x in r["rows"]))
     cases = list(dict.fromkeys((x["ctx"], x["bs"], x["fine_clusters"]) for x in r["rows"]))
-    ms = {(x["variant"], x["ctx"], x["bs"]): x["cut_ms"] for x in r["rows"]}
+    fields = ["cut_ms", *(["layer_ms"] if all("layer_ms" in x for x in r["rows"]) else [])]
+    ms = {(x["variant"], x["ctx"], x["bs"], f): x[f] for x in r["rows"] for f in fields}
+
+    def cell(*k):
+        return f"{ms[k]:.4f}" if k in ms else "-"
+
     return md_table(f"Budget-cut variant, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["context", "batch", "fine clusters", *(f"{v} ms" for v in variants)],
-                    [(c, b, n, *(f"{ms[v, c, b]:.4f}" for v in variants)) for c, b, n in cases])
+                    ["context", "batch", "fine clusters",
+                     *(f"{v} {'cut' if f == 'cut_ms' else 'chain'} ms" for f in fields for v in variants)],
+                    [(c, b, n, *(cell(v, c, b, f) for f in fields for v in variants)) for c, b, n in cases])
 
 
 def pdl_probe_table(path: Path) -> str:
@@ -606,7 +613,7 @@ def tp_fidelity_table(path: Path) -> str:
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
 LATEST = ("gpu_serving_h200_latekeys.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "gpu_serving_h200_tpot_live.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
 
 
@@ -654,10 +661,12 @@ def main(argv=None):
                      ("gpu_serving_h200_latekeys.json", serving_table),
                      ("gpu_serving_h200_random_latekeys.json", serving_table),
                      ("gpu_serving_h200_random_c1.json", serving_table),
+                     ("gpu_serving_h200_tpot_live.json", serving_table),
                      ("gpu_serving_h200_tpot.json", serving_table),
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
+                     ("cut_live_list_h200.json", cut_probe_table),
                      ("pdl_probe_h200.json", pdl_probe_table),
                      ("cut_band_pairwise_h200.json", cut_probe_table),
                      ("cut_kary_probe_h200.json", cut_probe_table),

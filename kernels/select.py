@@ -409,9 +409,10 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
     program takes the smallest register tile its request fits (BLOCK // 8 or // 4). Past BLOCK // 4 clusters it
-    first lists the live ones and cuts those when they fit BLOCK // 4: on an H200 at 126K tokens (10.6K clusters, a
-    quarter live) this took the cut from 58 to XX us per layer at batch 1. Else the smallest tile that holds them all
-    (BLOCK // 2 or BLOCK), else passes over memory.
+    first lists the live ones and cuts those when they fit BLOCK // 4: on an H200 at 126K tokens (10.6K clusters,
+    a quarter live) this took the cut from 58 to 25 us per layer at batch 1, 75 to 26 at batch 16
+    (bench/results/cut_live_list_h200.json). Else the smallest tile that holds them all (BLOCK // 2 or BLOCK),
+    else passes over memory.
     Bounds and picks are the request's scratch rows (``Bnd``, ``Sel`` [H, S])."""
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
