@@ -3,7 +3,7 @@ and the attention, each replayed from a CUDA graph (Llama-3.1-8B attention shape
 whole chain of kernels in one graph (``layer_ms``).
 
     python3 -m bench.selection_breakdown --out sel.json [--contexts 32768] [--batches 1 8 16] [--retrieving 8 2]
-        [--shared] [--sizes 1 2] [--expands 16 8] [--reranks 1 2] [--cut-bands 64:65536 1:1]
+        [--shared] [--sizes 1 2] [--expands 16 8] [--reranks 1 2] [--cut-bands 64:65536 1:1] [--parts 32 64]
 
 ``--retrieving``: KV heads of the layer that select their own tokens (hybrid heads, config ``head_roles``); the
 selection and emission run for those only, the attention for all 8. ``--sizes``: chunks per fine cluster (config
@@ -11,8 +11,9 @@ selection and emission run for those only, the attention for all 8. ``--sizes``:
 (coarse units are expanded until they hold this many times the budget; the fine bounds are computed for their
 clusters only). ``--reranks``: config ``rerank_factor`` (the cut and emission pick that many times the budget as
 candidates; ``rerank_ms`` scores their keys and keeps the budget's best, which the attention then reads).
-``--cut-bands``: TILE:KEYS of the register cut (``kernels.select.CUT_BAND``): its last passes run on a tile of TILE
-once the bisection's interval holds KEYS keys (1:1, every pass on the whole tile).
+``--parts``: programs per (request, KV head) of the fine bounds and the token lists (the server's ``PooledDecode``
+takes 32). ``--cut-bands``: TILE:KEYS of the register cut (``kernels.select.CUT_BAND``): its last passes run on a
+tile of TILE once the bisection's interval holds KEYS keys (1:1, every pass on the whole tile).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     F = {name: i for i, name in enumerate(ks.RANGE_FIELDS)}
     L = ranges[F["L0"]] + ranges[F["L1"]]
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
-    return {"ctx": ctx, "bs": bs, "fine_cluster_size": fine_cluster_size, "coarse_expand": expand,
+    return {"ctx": ctx, "bs": bs, "parts": parts, "fine_cluster_size": fine_cluster_size, "coarse_expand": expand,
             "retrieving_heads": R, "shared_prefix": shared, "cut_band": list(cut_band), "rerank_factor": rerank, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             "candidates_per_list": int(out[0][:bs * H].float().mean()), "attended_per_list": int(lists[0][:bs * H].float().mean()),
@@ -114,16 +115,20 @@ def main():
     ap.add_argument("--sizes", type=float, nargs="+", default=[FINE], help="fine_cluster_size values")
     ap.add_argument("--expands", type=float, nargs="+", default=[EXPAND], help="coarse_expand values")
     ap.add_argument("--reranks", type=int, nargs="+", default=[1], help="rerank_factor values")
+    ap.add_argument("--parts", type=int, nargs="+", default=[32],
+                    help="programs per (request, KV head) of the fine bounds and the token lists (PooledDecode's parts)")
     ap.add_argument("--cut-bands", nargs="+", default=[f"{ks.CUT_BAND}:{ks.CUT_BAND_KEYS}"],
                     help="TILE:KEYS of the register cut's last passes")
     a = ap.parse_args()
     bands = [tuple(int(x) for x in b.split(":")) for b in a.cut_bands]
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r, sh, size, ex, f, cb in ((c, b, r, sh, z, e, f, cb) for c in a.contexts for b in a.batches
-                                            for r in a.retrieving for sh in ((False, True) if a.shared else (False,))
-                                            for z in a.sizes for e in a.expands for f in a.reranks for cb in bands):
-        res["rows"].append(breakdown(bs, ctx, retrieving=r, shared=sh, fine_cluster_size=size, expand=ex, rerank=f,
-                                     cut_band=cb))
+    for ctx, bs, r, sh, size, ex, f, cb, p in ((c, b, r, sh, z, e, f, cb, p) for c in a.contexts for b in a.batches
+                                               for r in a.retrieving
+                                               for sh in ((False, True) if a.shared else (False,))
+                                               for z in a.sizes for e in a.expands for f in a.reranks for cb in bands
+                                               for p in a.parts):
+        res["rows"].append(breakdown(bs, ctx, parts=p, retrieving=r, shared=sh, fine_cluster_size=size, expand=ex,
+                                     rerank=f, cut_band=cb))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
