@@ -411,6 +411,16 @@ def pdl_probe_table(path: Path) -> str:
                       f"{x['layer_ms']:.4f}", f"{x['layer_pdl_ms']:.4f}") for x in r["rows"]])
 
 
+def parts_table(path: Path) -> str:
+    """Programs per (request, KV head) of the fine bounds and token lists: ms per layer by context, batch and parts."""
+    r = json.loads(path.read_text())
+    return md_table(f"Selection programs per list, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["context", "batch", "parts", "fine bounds ms", "token lists ms", "chain ms"],
+                    [(x["ctx"], x["bs"], x["parts"], f"{x['fine_bounds_ms']:.4f}", f"{x['emit_ms']:.4f}",
+                      f"{x['layer_ms']:.4f}") for x in r["rows"]])
+
+
 def lifecycle_table(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["after"]
@@ -666,6 +676,7 @@ def main(argv=None):
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
+                     ("parts_sweep_h200.json", parts_table),
                      ("cut_live_list_h200.json", cut_probe_table),
                      ("pdl_probe_h200.json", pdl_probe_table),
                      ("cut_band_pairwise_h200.json", cut_probe_table),
