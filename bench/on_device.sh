@@ -2,6 +2,7 @@
 # One call on the lent GPU machine (../shared/gpu/README.md), from the repository root, with .gpu-bundle carried:
 #   bash bench/on_device.sh tests                                  # pytest -m gpu, log in $OUT/gpu_tests.log
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
+#   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
 #    a resume_s.json in the tree root is resumed, so dense can follow lychee in a second call on the same machine)
 # Each command stays under the call's 600 s; $OUT/gpu.txt names the card.
@@ -19,5 +20,9 @@ case "$1" in
     # shellcheck disable=SC2086  # METHODS and the workload are word lists
     timeout 580 python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$name.json" --methods $methods \
       --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15 ;;
-  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...]" >&2; exit 2 ;;
+  breakdown)
+    name=$2; shift 2
+    timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
+  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" >&2
+     exit 2 ;;
 esac
