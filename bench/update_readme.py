@@ -7,13 +7,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGETS = ((ROOT / "bench" / "RESULTS.md", "results", []), (ROOT / "README.md", "latest", ["--latest"]))
+# (file, marker, bench.report's arguments)
+TARGETS = (("bench/RESULTS.md", "results", []), ("README.md", "latest", ["--latest"]))
 
-for path, marker, args in TARGETS:
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
-    tables = subprocess.run([sys.executable, "-m", "bench.report", *args], capture_output=True, text=True,
-                            check=True, cwd=ROOT).stdout.strip()
-    text = path.read_text()
-    assert begin in text and end in text, f"{path.name} lacks its {marker} markers"
-    path.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda m: f"{begin}\n{tables}\n{end}", text,
-                           flags=re.S))
+
+def block(marker: str) -> re.Pattern:
+    """The generated block between ``<!-- marker:begin -->`` and ``<!-- marker:end -->`` (its tables: group 1)."""
+    return re.compile(f"<!-- {marker}:begin -->\n(.*?)\n<!-- {marker}:end -->", flags=re.S)
+
+
+def tables(args: list[str]) -> str:
+    return subprocess.run([sys.executable, "-m", "bench.report", *args], capture_output=True, text=True, check=True,
+                          cwd=ROOT).stdout.strip()
+
+
+def main():
+    for path, marker, args in TARGETS:
+        text = (ROOT / path).read_text()
+        assert block(marker).search(text), f"{path} lacks its {marker} markers"
+        made = tables(args)
+        (ROOT / path).write_text(block(marker).sub(
+            lambda m: f"<!-- {marker}:begin -->\n{made}\n<!-- {marker}:end -->", text))
+
+
+if __name__ == "__main__":
+    main()
