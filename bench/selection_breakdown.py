@@ -39,13 +39,11 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     keep = budget - sink - recent
     cap_c = budget + (rerank - 1) * keep    # emission's candidate lists (the budget's own without a rerank)
     rem = rem * rerank
-    cmu, cr, ctok = coarse
     ftok = fine[2]
     bnd, sel = c["scratch"]
-    BLOCK_P = 128
     heads = torch.arange(retrieving, dtype=torch.int32, device="cuda")
     R, st = retrieving, ranges.stride(0)
-    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device="cuda")
+    expanded = torch.empty(bs * R * ks._block_p(64), dtype=torch.int8, device="cuda")
     out = (torch.empty(bs * H, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * cap_c, dtype=torch.int32, device="cuda"),
            torch.empty(bs * H * parts, dtype=torch.int32, device="cuda"))
@@ -54,9 +52,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     rerank_space = kr.workspace_for(bs, H, HQ // H, cap_c, "cuda")
 
     def coarse_pick():
-        ks._coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, R, expand, 0.25,
-                                            q.stride(0), q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D,
-                                            BLOCK_P=BLOCK_P)
+        ks.coarse_expand(q, coarse, ranges, rem, expand, heads, 0.25, out=expanded)
 
     def fine_bounds():
         ks.fine_bounds(q, fine, ranges, expanded, bnd, heads, 0.25, parts)

@@ -21,21 +21,19 @@ import torch
 from bench.bench_kernels import D, EXPAND, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
 
-BUDGET, SINK, RECENT, BLOCK_P = 1024, 16, 64, 128
+BUDGET, SINK, RECENT = 1024, 16, 64
 
 
 def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
-    (cmu, cr, ctok), ftok = c["coarse"], c["fine"][2]
+    ftok = c["fine"][2]
     cfine, cstart, clen = c["chunks"]
     ranges = c["ranges"]
     st = ranges.stride(0)
     q, rem, seq, r2t, rows = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"]
     bnd, sel = c["scratch"]
     heads = ks.all_heads(H, "cuda")
-    expanded = torch.empty(bs * H * BLOCK_P, dtype=torch.int8, device="cuda")
-    ks._coarse_expand_kernel[(bs * H,)](q, cmu, cr, ctok, ranges, st, rem, expanded, heads, H, expand, 0.25, q.stride(0),
-                                        q.stride(1), cmu.stride(0), H=H, G=HQ // H, D=D, BLOCK_D=D, BLOCK_P=BLOCK_P)
+    expanded = ks.coarse_expand(q, c["coarse"], ranges, rem, expand, heads, 0.25)
     rows_out = []
     for tile in (16, 32, 64):
         for parts in (8, 16, 32, 64):

@@ -17,12 +17,16 @@ from sgl_sparsekv.index import graft
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), as fp32: the stored centroid. In integer ops, because the
-    Triton interpreter truncates in a plain cast."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
+def _stored(x, dmask):
+    """fp32 row -> (int8 codes, power-of-two scale, codes x scale), exactly as ``index.quantize``: IEEE divisions
+    (a plain one is approximate on the GPU), and adding and taking 1.5 * 2^23 rounds to the nearest integer, ties
+    to even (the Triton interpreter truncates in a plain cast)."""
+    t = tl.div_rn(tl.max(tl.where(dmask, tl.abs(x), 0.0), 0), 127.0)
+    bits = t.to(tl.int32, bitcast=True)
+    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23
+    scale = tl.where(t > 0, up.to(tl.float32, bitcast=True), 1.0)
+    codes = tl.minimum(tl.maximum((tl.div_rn(x, scale) + 12582912.0) - 12582912.0, -127.0), 127.0)
+    return codes, scale, codes * scale
 
 
 # strides that follow the step's job and chunk counts, and the 16-byte alignment of the job table, lengths and
@@ -30,7 +34,7 @@ def _round_bf16(x):
 # compile new variants mid-serving
 @triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"], do_not_specialize_on_alignment=["Jobs", "Length", "Start"])
 def _graft_kernel(Keys, Jobs, Length, Start,
-                  FMu, FR, FN, FTok, FPar, CMu, CR, CN, CTok, KFine, KStart, KLen,
+                  FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     # int64 from the start: layer * stride can pass 2**31 elements for a large backlog of chunk keys
@@ -65,7 +69,7 @@ def _graft_kernel(Keys, Jobs, Length, Start,
             node = (fo + offs_l) * H + h
             n = tl.load(FN + fbase + node, mask=lmask, other=0.0)
             mu = tl.load(FMu + (fbase + node)[:, None] * D + offs_d[None, :], mask=lmask[:, None] & dmask[None, :],
-                         other=0.0).to(tl.float32)
+                         other=0).to(tl.float32) * tl.load(FSc + fbase + node, mask=lmask, other=0.0)[:, None]
             sim = tl.where(lmask & (n > 0), tl.sum(mu * key[None, :], 1), float("-inf"))
             m = tl.max(sim, 0)
             j = tl.argmax(sim, 0, tie_break_left=True)
@@ -75,24 +79,26 @@ def _graft_kernel(Keys, Jobs, Length, Start,
 
         c = fbase + (fo + best_i) * H + h
         n_c = tl.load(FN + c)
-        mu_c = tl.load(FMu + c * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        new_mu_c = _round_bf16(mu_c + (key - mu_c) / (n_c + 1))   # what the pool stores
+        mu_c = tl.load(FMu + c * D + offs_d, mask=dmask, other=0).to(tl.float32) * tl.load(FSc + c)
+        codes_c, scale_c, new_mu_c = _stored(mu_c + tl.div_rn(key - mu_c, n_c + 1), dmask)   # what the pool stores
         # an empty cluster has no member to keep covered: its old centroid does not widen the radius
         shift = tl.where(n_c > 0, tl.sqrt(tl.sum((new_mu_c - mu_c) * (new_mu_c - mu_c), 0)), 0.0)
         dist = tl.sqrt(tl.sum((key - new_mu_c) * (key - new_mu_c), 0))
         new_r_c = tl.maximum(tl.maximum(tl.load(FR + c), 0.0) + shift, dist)
-        tl.store(FMu + c * D + offs_d, new_mu_c.to(FMu.dtype.element_ty), mask=dmask)
+        tl.store(FMu + c * D + offs_d, codes_c.to(FMu.dtype.element_ty), mask=dmask)
+        tl.store(FSc + c, scale_c)
         tl.store(FR + c, new_r_c)
         tl.store(FN + c, n_c + 1)
         tl.store(FTok + c, tl.load(FTok + c) + length)
 
         gc = layer * s_cl + (co + tl.load(FPar + c)) * H + h
         n_g = tl.load(CN + gc)
-        mu_g = tl.load(CMu + gc * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        new_mu_g = _round_bf16(mu_g + (key - mu_g) / (n_g + 1))
+        mu_g = tl.load(CMu + gc * D + offs_d, mask=dmask, other=0).to(tl.float32) * tl.load(CSc + gc)
+        codes_g, scale_g, new_mu_g = _stored(mu_g + tl.div_rn(key - mu_g, n_g + 1), dmask)
         shift_g = tl.where(n_g > 0, tl.sqrt(tl.sum((new_mu_g - mu_g) * (new_mu_g - mu_g), 0)), 0.0)
         reach = tl.sqrt(tl.sum((new_mu_c - new_mu_g) * (new_mu_c - new_mu_g), 0)) + new_r_c
-        tl.store(CMu + gc * D + offs_d, new_mu_g.to(CMu.dtype.element_ty), mask=dmask)
+        tl.store(CMu + gc * D + offs_d, codes_g.to(CMu.dtype.element_ty), mask=dmask)
+        tl.store(CSc + gc, scale_g)
         tl.store(CR + gc, tl.maximum(tl.maximum(tl.load(CR + gc), 0.0) + shift_g, reach))
         tl.store(CN + gc, n_g + 1)
         tl.store(CTok + gc, tl.load(CTok + gc) + length)
@@ -115,7 +121,8 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
     Ls, F, H, D = pools.fmu.shape
     _graft_kernel[(G, Ls * H)](
         keys, jobs, lengths, starts,
-        pools.fmu, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.cr, pools.cn, pools.ctok,
+        pools.fmu, pools.fsc, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.csc, pools.cr, pools.cn,
+        pools.ctok,
         pools.kfine, pools.kstart, pools.klen, keys.stride(0), keys.stride(1), keys.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0), jobs.stride(1),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
@@ -143,3 +150,4 @@ def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: tor
             pools.kstart[row] = starts[kr]
             pools.klen[row] = lengths[kr]
             pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]))
+        pools.store_view(view, c0, f0)

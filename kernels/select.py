@@ -4,8 +4,9 @@ No host synchronization and static launch shapes, so it runs inside a CUDA graph
 request lives in the node pools of ``sgl_sparsekv.index_pool`` (one row per node, KV heads side by
 side):
 
-    coarse pool:  mu [C, H, d], r [C, H], tok [C, H]                 (co, P per segment)
-    fine pool:    mu [F, H, d], r [F, H], tok [F, H], parent [F, H]  (fo, L; parent is a local coarse index)
+    coarse pool:  (mu [C, H, d], scale [C, H]), r [C, H], tok [C, H]                 (co, P per segment)
+    fine pool:    (mu [F, H, d], scale [F, H]), r [F, H], tok [F, H], parent [F, H]  (fo, L; parent: local coarse)
+    (a centroid is its int8 codes ``mu`` times its power-of-two ``scale``, ``sgl_sparsekv.index.quantize``)
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
 A request's index is two segments of rows, read as one index: segment 0, adopted from a cached prefix and
@@ -112,20 +113,21 @@ def _group_queries(Qg, stride_qh, rw, offs_d, dmask, G: tl.constexpr, BLOCK_G: t
 
 
 @triton.jit
-def _tile_bounds(mu, r, q, qn, G: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
-    """``_bounds`` of a tile of bf16 centroids [rows, D] against bf16 queries, on the tensor cores: bf16 products
-    are exact in fp32, so the bounds differ from the FMA path only in summation order. IEEE: the same products in
-    fp32 operands (the interpreter computes bf16 dots wrongly). r must be finite (callers mask empty nodes)."""
+def _tile_bounds(mu, scale, r, q, qn, G: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+    """``_bounds`` of a tile of centroids (int8 codes [rows, D] times ``scale`` [rows]) against bf16 queries, on the
+    tensor cores: codes are exact in bf16, bf16 products exact in fp32 and a power-of-two scale exact, so the bounds
+    differ from the FMA path only in summation order. IEEE: the same products in fp32 operands (the interpreter
+    computes bf16 dots wrongly). r must be finite (callers mask empty nodes)."""
     if IEEE:
         s = tl.dot(mu.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.dot(mu, tl.trans(q))
-    s = s + qn[None, :] * r[:, None]
+        s = tl.dot(mu.to(tl.bfloat16), tl.trans(q))
+    s = s * scale[:, None] + qn[None, :] * r[:, None]
     return tl.max(tl.where((tl.arange(0, BLOCK_G) < G)[None, :], s, NEG), 1)
 
 
 @triton.jit
-def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
+def _coarse_expand_kernel(Q, CMu, CSc, CR, CTok, T, st, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
                           stride_cm,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                           BLOCK_P: tl.constexpr):
@@ -140,8 +142,8 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, e
     offs_p = tl.arange(0, BLOCK_P)
     pmask = offs_p < P0 + _field(T, st, b, 7)
     crow = _union_rows(offs_p, _offset(T, st, b, 0), P0, _offset(T, st, b, 6))
-    mu = tl.load(CMu + crow[:, None] * stride_cm + h * D + offs_d[None, :],
-                 mask=pmask[:, None] & dmask[None, :], other=0.0)
+    mu = tl.load(CMu + crow[:, None] * stride_cm + h * D + offs_d[None, :], mask=pmask[:, None] & dmask[None, :],
+                 other=0).to(tl.float32) * tl.load(CSc + crow * H + h, mask=pmask, other=0.0)[:, None]
     r = tl.load(CR + crow * H + h, mask=pmask, other=NEG)
     tok = tl.load(CTok + crow * H + h, mask=pmask, other=0.0)
     ub = tl.where(pmask & (r > NEG), _bounds(Q + b * stride_qb + h * G * stride_qh, stride_qh, mu, r, rw,
@@ -153,13 +155,13 @@ def _coarse_expand_kernel(Q, CMu, CR, CTok, T, st, Budget, Expanded, Heads, R, e
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
+def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr,
                         DOT: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), into the request's scratch
     rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters. DOT (bf16 queries
-    and centroids): each tile is scored with one ``tl.dot`` against the group's queries, loaded once."""
+    queries): each tile is scored with one ``tl.dot`` against the group's queries, loaded once."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
@@ -182,11 +184,13 @@ def _fine_bounds_kernel(Q, FMu, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw,
         fub = tl.full([BLOCK_L], NEG, tl.float32)
         if tl.max(live.to(tl.int32), 0) > 0:
             fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
-                          mask=live[:, None] & dmask[None, :], other=0.0)
+                          mask=live[:, None] & dmask[None, :], other=0)
+            fsc = tl.load(FSc + frow * H + h, mask=live, other=0.0)
             if DOT:
-                fub = tl.where(live, _tile_bounds(fmu, tl.where(live, fr, 0.0), qg, qn, G, BLOCK_G, IEEE), NEG)
+                fub = tl.where(live, _tile_bounds(fmu, fsc, tl.where(live, fr, 0.0), qg, qn, G, BLOCK_G, IEEE), NEG)
             else:
-                fub = tl.where(live, _bounds(Qg, stride_qh, fmu, fr, rw, offs_d, dmask, G), NEG)
+                fub = tl.where(live, _bounds(Qg, stride_qh, fmu.to(tl.float32) * fsc[:, None], fr, rw, offs_d, dmask,
+                                             G), NEG)
         tl.store(out + offs_l, fub, mask=lmask)
 
 
@@ -197,11 +201,11 @@ def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, par
     queries (a bf16 model's, with ``gqa_reduce`` "max") are scored on the tensor cores: 0.057 -> 0.045 ms per layer
     at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json); others by fp32 FMAs."""
     bs, Hq, D = q.shape
-    fmu, fr, _, fpar = fine
+    (fmu, fsc), fr, _, fpar = fine
     H = fmu.shape[1]
     R = heads.numel()
-    dot = q.dtype == fmu.dtype == torch.bfloat16
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fr, fpar, ranges, ranges.stride(0), expanded, bnd, bnd.stride(0),
+    dot = q.dtype == torch.bfloat16
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, ranges, ranges.stride(0), expanded, bnd, bnd.stride(0),
                                          heads, R, float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0),
                                          H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
                                          BLOCK_P=_block_p(max_coarse), BLOCK_L=block_l, PARTS=parts,
@@ -450,6 +454,21 @@ def scratch(rows: int, H: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(torch.empty(H, rows, dtype=torch.float32, device=device) for _ in range(2))
 
 
+def coarse_expand(q, coarse, ranges, budget, expand: float, heads: torch.Tensor, radius_weight: float = 1.0,
+                  max_coarse: int = 64, out: torch.Tensor | None = None) -> torch.Tensor:
+    """-> ``out`` [bs * len(heads) * BLOCK_P] int8: per (request, KV head of ``heads``), which coarse units of its
+    union the fine bounds expand (``_coarse_expand_kernel``; the first step of :func:`select_fine`)."""
+    bs, Hq, D = q.shape
+    (cmu, csc), cr, ctok = coarse
+    H, R = cmu.shape[1], heads.numel()
+    BLOCK_P = _block_p(max_coarse)
+    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device) if out is None else out
+    _coarse_expand_kernel[(bs * R,)](q, cmu, csc, cr, ctok, ranges, ranges.stride(0), budget, expanded, heads, R,
+                                     float(expand), float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0),
+                                     H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_P=BLOCK_P)
+    return expanded
+
+
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None,
@@ -457,7 +476,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
-    coarse = (mu [C,H,d], r [C,H], tok [C,H]); fine = (mu [F,H,d], r [F,H], tok [F,H], parent [F,H] int32);
+    coarse = ((mu [C,H,d] int8, scale [C,H]), r [C,H], tok [C,H]); fine = ((mu, scale), r, tok, parent int32);
     ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
@@ -466,27 +485,18 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
     """
-    bs, Hq, D = q.shape
-    cmu, cr, ctok = coarse
     ftok = fine[2]
-    H = cmu.shape[1]
-    G = Hq // H
-    BLOCK_P = _block_p(max_coarse)
-    BLOCK_D = triton.next_power_of_2(D)
+    H = ftok.shape[1]
     if out is None:
-        out = scratch(_scratch_rows(ranges, bs), H, q.device)
+        out = scratch(_scratch_rows(ranges, q.shape[0]), H, q.device)
     bnd, sel = out
     assert bnd.stride(0) == sel.stride(0), "bounds and picks in one layout"
     heads = all_heads(H, q.device) if heads is None else heads
     R = heads.numel()
-    st, S = ranges.stride(0), bnd.stride(0)
-    expanded = torch.empty(bs * R * BLOCK_P, dtype=torch.int8, device=q.device)
-    _coarse_expand_kernel[(bs * R,)](q, cmu, cr, ctok, ranges, st, budget, expanded, heads, R, float(expand),
-                                     float(radius_weight), q.stride(0), q.stride(1), cmu.stride(0), H=H, G=G, D=D,
-                                     BLOCK_D=BLOCK_D, BLOCK_P=BLOCK_P)
+    expanded = coarse_expand(q, coarse, ranges, budget, expand, heads, radius_weight, max_coarse)
     fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight, parts, max_coarse)
-    _cut_kernel[(bs * R,)](bnd, ftok, ranges, st, budget, sel, S, heads, R, H=H, BLOCK=cut_block, BAND=cut_band[0],
-                           BAND_KEYS=cut_band[1], num_warps=CUT_WARPS)
+    _cut_kernel[(q.shape[0] * R,)](bnd, ftok, ranges, ranges.stride(0), budget, sel, bnd.stride(0), heads, R, H=H,
+                                   BLOCK=cut_block, BAND=cut_band[0], BAND_KEYS=cut_band[1], num_warps=CUT_WARPS)
     return sel
 
 
@@ -646,11 +656,11 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
                     radius_weight: float = 1.0, heads: torch.Tensor | None = None):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
     is live where its radius is finite, as the kernels read it."""
-    from sgl_sparsekv.index import ClusterIndex
+    from sgl_sparsekv.index import ClusterIndex, dequantize
     from sgl_sparsekv.select import select_clusters
 
-    cmu, cr, ctok = coarse
-    fmu, fr, ftok, fpar = fine
+    (cmu, csc), cr, ctok = coarse
+    (fmu, fsc), fr, ftok, fpar = fine
     bs, Hq, D = q.shape
     H = cmu.shape[1]
     sel = out[1] if out is not None else scratch(_scratch_rows(ranges, bs), H, q.device)[1]
@@ -659,8 +669,9 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
         c, f = union_rows(r, "c").to(q.device), union_rows(r, "f").to(q.device)
         par = fpar[f].long()
         par[r["L0"]:] += r["P0"]
-        view = ClusterIndex(fine_mu=fmu[f].transpose(0, 1).float(), fine_r=fr[f].T, fine_n=(fr[f].T > float("-inf")).float(),
-                            fine_tokens=ftok[f].T, fine_parent=par.T, coarse_mu=cmu[c].transpose(0, 1).float(),
+        view = ClusterIndex(fine_mu=dequantize(fmu[f], fsc[f]).transpose(0, 1), fine_r=fr[f].T,
+                            fine_n=(fr[f].T > float("-inf")).float(), fine_tokens=ftok[f].T, fine_parent=par.T,
+                            coarse_mu=dequantize(cmu[c], csc[c]).transpose(0, 1),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
                             chunk_fine=par[:0].T)
         cols = slice(r["so"], r["so"] + len(f))
@@ -712,13 +723,13 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     Returns (coarse, fine, chunks, ranges): pools in the layouts the kernels read, and ``ranges`` with each
     request's index as its own segment (segment 0 empty) and its scratch rows at its fine rows.
     """
-    from sgl_sparsekv.index import CENTROID_DTYPE
+    from sgl_sparsekv.index import quantize
 
     def cat(ts):
         return torch.cat(ts).to(device)
 
     def centroids(ts):   # stored as the index pools store them
-        return cat(ts).to(CENTROID_DTYPE).contiguous()
+        return tuple(t.contiguous() for t in quantize(cat(ts)))
 
     table = torch.zeros(len(RANGE_FIELDS), len(indexes), dtype=torch.int32)
     c = f = k = 0

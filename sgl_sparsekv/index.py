@@ -23,14 +23,36 @@ import torch.nn.functional as F
 from sgl_sparsekv.kernels.kmeans import cluster_sums, cluster_sums_ref, nearest_centroid, nearest_centroid_ref
 
 NEG_INF = float("-inf")
-# centroids are stored in bf16 (half the index pools' memory, half the bytes selection reads); every radius is
-# measured from the stored (rounded) centroid, so the bounds hold exactly for what the kernels read
-CENTROID_DTYPE = torch.bfloat16
+# centroids are stored as int8 codes times a power-of-two scale per (node, head): half of bf16's memory and of the
+# bytes selection reads. A power of two keeps code x scale exact (in fp32 and in bf16, 8 significant bits), so
+# storing a stored centroid gives it back unchanged. Every radius is measured from the stored centroid, so the
+# bounds hold exactly for what the kernels read.
+CODE_DTYPE = torch.int8
+CODE_MAX = 127
+
+
+def centroid_scale(mu: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [...] fp32: the smallest power of two s with max |mu| <= 127 s (1 for a zero row), from the bits
+    of max |mu| / 127 as ``kernels/graft.py`` computes it."""
+    t = mu.abs().amax(-1).float() / CODE_MAX
+    bits = t.view(torch.int32)
+    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23
+    return torch.where(t > 0, up.view(torch.float32), torch.ones_like(t))
+
+
+def quantize(mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., d] float -> (codes [..., d] int8, scale [...] fp32), ties to even."""
+    scale = centroid_scale(mu)
+    return torch.round(mu.float() / scale[..., None]).clamp(-CODE_MAX, CODE_MAX).to(CODE_DTYPE), scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale[..., None]
 
 
 def stored(mu: torch.Tensor) -> torch.Tensor:
-    """fp32 centroids rounded to what ``CENTROID_DTYPE`` storage holds."""
-    return mu.to(CENTROID_DTYPE).float()
+    """fp32 centroids as the index pools store them (``quantize`` then ``dequantize``)."""
+    return dequantize(*quantize(mu))
 
 
 def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
@@ -93,8 +115,9 @@ class ClusterIndex:
         return ClusterIndex(**{k: v.clone() for k, v in vars(self).items()})
 
     def compact(self) -> "ClusterIndex":
-        """A copy with centroids in their storage dtype (exact: they are rounded to it), for caching."""
-        return ClusterIndex(**{k: v.to(CENTROID_DTYPE) if k.endswith("_mu") else v.clone()
+        """A copy with centroids in bf16, for caching: exact, since a stored centroid's elements are int8 codes
+        times a power of two."""
+        return ClusterIndex(**{k: v.to(torch.bfloat16) if k.endswith("_mu") else v.clone()
                                for k, v in vars(self).items()})
 
 
@@ -224,7 +247,7 @@ def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] views of the index pools'
     rows (``kernels/graft.py``'s twin), which are written through; ``chunk_fine`` is left to the caller.
 
-    Centroids move by running mean (kept in ``CENTROID_DTYPE``); radii grow by the stored centroid's shift
+    Centroids move by running mean (``stored``); radii grow by the stored centroid's shift
     (so old members stay covered without being revisited) and to cover the new chunk.
     """
     def at(t, i):

@@ -6,9 +6,9 @@ numbers are charged to SGLang's memory planning by ``patches/plugin.py``). An in
 of rows in each pool (a segment, ``PoolRanges``); a request's own segment has chunk rows to spare, so
 grafting decoded chunks only writes rows.
 
-    coarse  mu [Ls, C, H, d]  r/tok/n [Ls, C, H]
-    fine    mu [Ls, F, H, d]  r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
-    (centroids mu in ``index.CENTROID_DTYPE``, the rest fp32 / int32)
+    coarse  mu [Ls, C, H, d]  scale/r/tok/n [Ls, C, H]
+    fine    mu [Ls, F, H, d]  scale/r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
+    (centroids mu as int8 codes times their row's power-of-two scale, ``index.quantize``; the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
 A ``ClusterIndex`` over all sparse layers at once (heads ``Ls * H``, layer-major) moves in and out of a
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import CENTROID_DTYPE, ClusterIndex, recount, union
+from sgl_sparsekv.index import CODE_DTYPE, ClusterIndex, dequantize, quantize, recount, union
 
 
 class RangeAllocator:
@@ -97,7 +97,7 @@ class PoolCapacity:
     chunks: int
 
     def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
-        node = heads * (head_dim * CENTROID_DTYPE.itemsize + 3 * 4)   # mu; r, tok, n in fp32
+        node = heads * (head_dim * CODE_DTYPE.itemsize + 4 * 4)   # mu; scale, r, tok, n in fp32
         per_layer = self.coarse * node + self.fine * (node + heads * 4) + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
@@ -123,10 +123,11 @@ class IndexPools:
 
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         def mu(rows):
-            return torch.zeros(layers, rows, heads, head_dim, dtype=CENTROID_DTYPE, device=device)
+            return torch.zeros(layers, rows, heads, head_dim, dtype=CODE_DTYPE, device=device)
 
-        self.cmu, self.cr, self.ctok, self.cn = mu(cap.coarse), *(f32(layers, cap.coarse, heads) for _ in range(3))
-        self.fmu, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(3))
+        self.cmu, self.csc, self.cr, self.ctok, self.cn = mu(cap.coarse), *(f32(layers, cap.coarse, heads)
+                                                                            for _ in range(4))
+        self.fmu, self.fsc, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(4))
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -184,21 +185,29 @@ class IndexPools:
 
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
-        return ((self.cmu[l], self.cr[l], self.ctok[l]),
-                (self.fmu[l], self.fr[l], self.ftok[l], self.fpar[l]),
+        return (((self.cmu[l], self.csc[l]), self.cr[l], self.ctok[l]),
+                ((self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
 
     def view(self, co: int, fo: int, L: int) -> ClusterIndex:
-        """The rows of one range as a ClusterIndex of [Ls, H, ...] views (written through), coarse rows from
-        ``co`` to the pools' end (the fine parents index them); no chunk rows. ``index.graft`` runs on it."""
+        """The rows of one range as a ClusterIndex of [Ls, H, ...] tensors, coarse rows from ``co`` up to the last
+        parent of its fine clusters (the parents index them); no chunk rows. Radii and counts are views (written
+        through), centroids fp32 copies that :meth:`store_view` writes back. ``index.graft`` runs on it."""
         def t(x):
             return x.transpose(1, 2)
 
-        c, f = slice(co, None), slice(fo, fo + L)
-        return ClusterIndex(fine_mu=t(self.fmu[:, f]), fine_r=t(self.fr[:, f]), fine_n=t(self.fn[:, f]),
-                            fine_tokens=t(self.ftok[:, f]), fine_parent=t(self.fpar[:, f]),
-                            coarse_mu=t(self.cmu[:, c]), coarse_r=t(self.cr[:, c]), coarse_n=t(self.cn[:, c]),
-                            coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]))
+        f = slice(fo, fo + L)
+        c = slice(co, co + int(self.fpar[:, f].max()) + 1)
+        return ClusterIndex(fine_mu=t(dequantize(self.fmu[:, f], self.fsc[:, f])), fine_r=t(self.fr[:, f]),
+                            fine_n=t(self.fn[:, f]), fine_tokens=t(self.ftok[:, f]), fine_parent=t(self.fpar[:, f]),
+                            coarse_mu=t(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=t(self.cr[:, c]),
+                            coarse_n=t(self.cn[:, c]), coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]))
+
+    def store_view(self, view: ClusterIndex, co: int, fo: int) -> None:
+        """Write the centroids of :meth:`view`'s index back (unchanged rows store as they were)."""
+        for codes, scale, mu, start in ((self.fmu, self.fsc, view.fine_mu, fo), (self.cmu, self.csc, view.coarse_mu, co)):
+            rows = slice(start, start + mu.shape[2])
+            codes[:, rows], scale[:, rows] = quantize(mu.transpose(1, 2))
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
@@ -214,12 +223,13 @@ class IndexPools:
         if rng is None:
             return None
         c, f, k = slice(rng.co, rng.co + P), slice(rng.fo, rng.fo + L), slice(rng.ko, rng.ko + M)
-        for dst, src in ((self.cmu, ix.coarse_mu), (self.cr, ix.coarse_r), (self.ctok, ix.coarse_tokens),
-                         (self.cn, ix.coarse_n)):
+        for dst, src in ((self.cr, ix.coarse_r), (self.ctok, ix.coarse_tokens), (self.cn, ix.coarse_n)):
             dst[:, c] = self._split(src)
-        for dst, src in ((self.fmu, ix.fine_mu), (self.fr, ix.fine_r), (self.ftok, ix.fine_tokens),
-                         (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
+        for dst, src in ((self.fr, ix.fine_r), (self.ftok, ix.fine_tokens), (self.fn, ix.fine_n),
+                         (self.fpar, ix.fine_parent)):
             dst[:, f] = self._split(src)
+        self.cmu[:, c], self.csc[:, c] = (self._split(t) for t in quantize(ix.coarse_mu))
+        self.fmu[:, f], self.fsc[:, f] = (self._split(t) for t in quantize(ix.fine_mu))
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)
@@ -246,9 +256,10 @@ class IndexPools:
     def _export(self, rng: PoolRanges) -> ClusterIndex:
         c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)
         j = self._join
-        return ClusterIndex(fine_mu=j(self.fmu[:, f]).float(), fine_r=j(self.fr[:, f]), fine_n=j(self.fn[:, f]),
-                            fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
-                            coarse_mu=j(self.cmu[:, c]).float(), coarse_r=j(self.cr[:, c]), coarse_n=j(self.cn[:, c]),
+        return ClusterIndex(fine_mu=j(dequantize(self.fmu[:, f], self.fsc[:, f])), fine_r=j(self.fr[:, f]),
+                            fine_n=j(self.fn[:, f]), fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
+                            coarse_mu=j(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=j(self.cr[:, c]),
+                            coarse_n=j(self.cn[:, c]),
                             coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
 
     def add_chunks(self, rng: PoolRanges, n: int) -> int | None:

@@ -56,6 +56,28 @@ def test_bounds_after_build_and_grafts(kind, H, M, d, G, size):
         _check_bounds(index, keys, torch.randn(H, G, d, generator=gen) * 3)
 
 
+def test_centroid_storage_is_exact_and_idempotent():
+    """Centroids are stored as int8 codes times a power-of-two scale per row: each element within half a step of
+    the fp32 value, a row using at least half the code range (the smallest power of two that fits), storing a
+    stored row gives it back with the same codes and scale (so pools, cache and twin agree), and bf16 (the index
+    cache) holds a stored row exactly. A zero row (an empty cluster) is zero codes at scale 1."""
+    from sgl_sparsekv.index import quantize, stored
+
+    gen = torch.Generator().manual_seed(0)
+    mu = torch.randn(5, 40, 64, generator=gen) * torch.logspace(-6, 2, 40)[None, :, None]
+    mu[0, 0] = 0.0
+    codes, scale = quantize(mu)
+    s = stored(mu)
+    assert codes.dtype == torch.int8 and torch.equal(scale, torch.exp2(torch.log2(scale).round()))
+    assert ((mu - s).abs() <= scale[..., None] / 2).all()
+    live = mu.abs().amax(-1) > 0
+    assert (codes.abs().amax(-1)[live] >= 64).all()
+    again = quantize(s)
+    assert torch.equal(again[0], codes) and torch.equal(again[1], scale) and torch.equal(stored(s), s)
+    assert torch.equal(s.to(torch.bfloat16).float(), s)
+    assert scale[0, 0] == 1.0 and not codes[0, 0].any()
+
+
 @pytest.mark.parametrize("kind", ["random", "clustered"])
 def test_one_chunk_per_fine_cluster_is_the_kmeans_fixed_point(kind):
     """With as many fine clusters as chunks the build skips k-means: each chunk is its own cluster, which is where

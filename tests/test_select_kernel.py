@@ -275,7 +275,10 @@ def test_requests_over_one_shared_segment(ops):
     ranges = torch.zeros(len(RANGE_FIELDS), 4, dtype=torch.int32, device=DEV)   # a spare column: fewer batch rows
     ranges[:, :3] = over_shared(packed, first_row=5)
     so = 5 + sum(shared.fine_r.shape[1] + ix.fine_r.shape[1] for ix in own)
-    before = [t.clone() for t in (*coarse, *fine, *chunks)]
+    def pools():   # every tensor of the pools, centroid codes and scales included
+        return [x for t in (*coarse, *fine, *chunks) for x in (t if isinstance(t, tuple) else (t,))]
+
+    before = [t.clone() for t in pools()]
     sink, recent, cap = 16, 64, 400
     seq = torch.tensor([int(st[-1] + ln[-1]) + 20 if len(st) else end + 20 for st, ln in zip(own_starts, own_lens)],
                        dtype=torch.int32)
@@ -284,7 +287,7 @@ def test_requests_over_one_shared_segment(ops):
     sel = select(q.to(DEV), coarse, fine, ranges, rem, 4.0, parts=2, out=scratch(so, H, DEV), radius_weight=0.25)
     rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
     lens_out, windows = emit(sel, chunks, ranges, rows, seq.to(DEV), r2t.to(DEV), sink, recent, cap, parts=2)
-    assert all(torch.equal(a, b) for a, b in zip(before, (*coarse, *fine, *chunks)))
+    assert all(torch.equal(a, b) for a, b in zip(before, pools()))
     sel, lens_out, windows = sel.cpu(), lens_out.cpu(), windows.cpu()
     for b in range(3):
         ix = union(shared, own[b])
