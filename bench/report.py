@@ -622,8 +622,8 @@ def tp_fidelity_table(path: Path) -> str:
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
-LATEST = ("gpu_serving_h200_latekeys.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot_live.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+LATEST = ("gpu_serving_h200_int8.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
+          "gpu_serving_h200_tpot_int8.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
 
 
@@ -668,6 +668,8 @@ def main(argv=None):
                      ("hardkuma_qwen_5prompts.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_int8.json", serving_table),
+                     ("gpu_serving_h200_tpot_int8.json", serving_table),
                      ("gpu_serving_h200_latekeys.json", serving_table),
                      ("gpu_serving_h200_random_latekeys.json", serving_table),
                      ("gpu_serving_h200_random_c1.json", serving_table),
@@ -676,6 +678,8 @@ def main(argv=None):
                      ("gpu_serving_h200_dot.json", serving_table),
                      ("gpu_serving_h200_random.json", serving_table),
                      ("selection_breakdown_dot_h200.json", fine_bounds_variants_table),
+                     ("selection_breakdown_int8_h200.json", breakdown_table),
+                     ("centroid_storage_qwen_4k.json", merged_recall_table),
                      ("parts_sweep_h200.json", parts_table),
                      ("cut_live_list_h200.json", cut_probe_table),
                      ("pdl_probe_h200.json", pdl_probe_table),
