@@ -244,8 +244,9 @@ def precompile_build(d: int, device, fine_cluster_size: float, max_coarse: int, 
 
 def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     """Lazy update: add one chunk (``key`` [..., d]) to its nearest fine cluster, in place; returns that
-    cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] views of the index pools'
-    rows (``kernels/graft.py``'s twin), which are written through; ``chunk_fine`` is left to the caller.
+    cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] of the index pools' rows
+    (``IndexPools.view``, for ``kernels/graft.py``'s twin, which stores the centroids back); ``chunk_fine`` is left
+    to the caller.
 
     Centroids move by running mean (``stored``); radii grow by the stored centroid's shift
     (so old members stay covered without being revisited) and to cover the new chunk.
