@@ -303,6 +303,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = served_masks(cfg, ids, layers, positions, table)
     elif variant in HEDGES:
         masks = hedged_masks(cfg, *HEDGES[variant], ids, layers, positions, table)
+    elif variant in CARRIES:
+        masks = carried_masks(cfg, CARRIES[variant], ids, layers, positions, table)
     elif variant in RERANKS:
         masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
     elif variant in REUSES:
@@ -347,6 +349,16 @@ def group_attention(layer, t: int, among: torch.Tensor | None = None) -> torch.T
     return torch.softmax(logits, -1).mean(1)
 
 
+def chunk_pick(w: torch.Tensor, starts, ends, cost: torch.Tensor, budget: int) -> torch.Tensor:
+    """bool [H, U]: per head, the chunks holding the most of ``w`` [H, seq] (attention mass), in that order while
+    their ``cost`` ([U] or [H, U] tokens) fits ``budget``; chunks with no mass are never taken."""
+    cum = torch.nn.functional.pad(w.cumsum(-1), (1, 0))
+    mass = cum[:, ends] - cum[:, starts]                                          # [H, U]
+    order = mass.argsort(-1, descending=True)
+    keep = (cost.expand_as(mass).gather(1, order).cumsum(-1) <= budget) & (mass.gather(1, order) > 0)
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
 def oracle_masks(cfg: SparseKVConfig, ids, layers, positions, table, chunks: bool) -> dict:
     """Analysis, the ceiling of a selection at the same KV read: per (layer, KV head, query) the tokens that hold
     the most of the query group's mean dense attention, up to the budget past the sink and the recent window
@@ -370,12 +382,8 @@ def oracle_masks(cfg: SparseKVConfig, ids, layers, positions, table, chunks: boo
                 top = w.topk(min(budget, int(free.sum())), -1).indices
                 out[(l, t)] = torch.zeros_like(w, dtype=torch.bool).scatter_(1, top, True) | ~free
                 continue
-            cum = torch.nn.functional.pad(w.cumsum(-1), (1, 0))
-            mass = cum[:, ends] - cum[:, starts]                                          # [H, U]
-            order = mass.argsort(-1, descending=True)
-            keep = cost[order].cumsum(-1) <= budget
-            sel = torch.zeros_like(keep).scatter_(1, order, keep)
-            out[(l, t)] = units_to_token_mask(sel, starts, ends, seq, sink, recent)
+            out[(l, t)] = units_to_token_mask(chunk_pick(w, starts, ends, cost, budget), starts, ends, seq, sink,
+                                              recent)
     return out
 
 
@@ -396,6 +404,37 @@ def reranked_masks(cfg: SparseKVConfig, factor: int, ids, layers, positions, tab
         keep = torch.zeros_like(cand).scatter_(1, top, True) & cand
         keep[:, :sink] = keep[:, seq - recent:] = True
         out[(l, t)] = keep
+    return out
+
+
+def carried_masks(cfg: SparseKVConfig, share: float, ids, layers, positions, table) -> dict:
+    """Analysis, attention-fed carry-over: each step attends lychee's pick with ``1 - share`` of the budget past the
+    sink and the recent window, joined with the chunks outside it that held the most of the previous step's attention
+    (the query group's mean softmax over what that step attended) with the rest: a sparse attention that reports
+    which chunks it read most lets the next step keep them (a copying head reads the digit after the one it read
+    last, in the same chunk). The chain starts from plain lychee one step before the first query."""
+    free = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+    carry = int(free * share)
+    steps = [positions[0] - 1, *positions]
+    picks = own_masks(dataclasses.replace(cfg, token_budget=cfg.token_budget - carry), ids, layers, steps, table)
+    prev = {l: m for (l, _), m in own_masks(cfg, ids, layers, steps[:1], table).items()}
+    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
+    dev = layers[0][1].device
+    out = {}
+    for t in positions:
+        seq = t + 1
+        sink, recent, _ = window(cfg, seq)
+        starts, ends = (x.to(dev) for x in unit_bounds(chunker, ids[:seq]))
+        for l in sorted(prev):
+            own = picks[(l, t)]
+            w = torch.nn.functional.pad(group_attention(layers[l], t - 1, among=prev[l]), (0, 1))   # [H, seq]
+            outside = ~own
+            outside[:, :sink] = outside[:, seq - recent:] = False
+            cum = torch.nn.functional.pad(outside.long().cumsum(-1), (1, 0))
+            cost = cum[:, ends] - cum[:, starts]                      # [H, U]: the tokens a chunk adds
+            more = units_to_token_mask(chunk_pick(w * outside, starts, ends, cost, carry), starts, ends, seq, sink,
+                                       recent)
+            out[(l, t)] = prev[l] = own | more
     return out
 
 
@@ -426,6 +465,9 @@ def worst_misses(layers, masks: dict, ids, tok, n: int) -> list[dict]:
 # pages, or lychee's own chunks ranked by Quest's bound over their tokens (``token_bound_chunks``)
 HEDGES = {"lychee-quest-hedge-25": ("quest", 0.25), "lychee-quest-hedge-50": ("quest", 0.5),
           "lychee-chunk-hedge-25": ("chunk", 0.25), "lychee-chunk-hedge-50": ("chunk", 0.5)}
+
+# lychee joined with the chunks the previous step attended most, which take this share of the budget
+CARRIES = {"lychee-carry-25": 0.25, "lychee-carry-50": 0.5}
 
 # two-stage selections: lychee's pick at this many times the budget, reranked token by token
 RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
@@ -465,6 +507,7 @@ VARIANTS = {
     "lychee-chunks-4-8": {"chunk_min": 4, "chunk_max": 8},
     "lychee-chunks-4-8-oracle-chunks": {"chunk_min": 4, "chunk_max": 8},
     **{v: {} for v in HEDGES},
+    **{v: {} for v in CARRIES},
     "quest": {},
     "quest-previous-query": {},
     "quest-gqa-mean": {"gqa_reduce": "mean"},

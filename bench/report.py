@@ -640,6 +640,7 @@ def main(argv=None):
                      ("attention_recall_qwen_rerank_16k.json", merged_recall_table),
                      ("selection_query_qwen_4k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
+                     ("attention_recall_qwen_carry_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
                      ("attention_recall_qwen_mv30k_fine1.json", recall_table),
                      ("attention_recall_qwen_vt16k_query.json", recall_table),

@@ -318,6 +318,31 @@ def test_hedged_masks_join_lychee_and_quest_within_the_budget():
         assert bool((m & ~own[key]).any()) and bool(by_bound[key][1, planted])
 
 
+def test_carried_masks_keep_what_the_previous_step_read():
+    """``lychee-carry-*`` (bench.attention_recall): lychee's pick at a reduced budget joined with the chunks the
+    previous step attended most, within the budget. A key that took one query head's whole attention at the step
+    before, and that the step's own pick misses, is carried into it."""
+    import dataclasses
+
+    from bench.attention_recall import CARRIES, carried_masks, own_masks
+
+    T, H, G, d, planted = PLANTED
+    table, ids, layers = planted_layers(3)
+    for q, k, _ in layers:   # the planted key answers the step before the queried one
+        k[1, planted] = 40 * q[3, T - 2] / q[3, T - 2].norm()
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    t, free = T - 1, 256 - 16 - 64
+    carry = int(free * CARRIES["lychee-carry-25"])
+    masks = carried_masks(cfg, CARRIES["lychee-carry-25"], ids, layers, [t], table)
+    own = own_masks(dataclasses.replace(cfg, token_budget=256 - carry), ids, layers, [t], table)
+    before = own_masks(cfg, ids, layers, [t - 1], table)
+    for (l, _), m in masks.items():
+        assert not bool((own[(l, t)] & ~m).any()) and torch.all(m.sum(-1) <= 256)
+        assert torch.all((m & ~own[(l, t)]).sum(-1) <= carry) and bool((m & ~own[(l, t)]).any())
+        assert bool(before[(l, t - 1)][1, planted]) and not bool(own[(l, t)][1, planted])   # not vacuous
+        assert bool(m[1, planted])
+
+
 def test_oracle_masks_bound_every_selection_at_the_same_read():
     """``lychee-oracle-*`` (bench.attention_recall), the ceiling a selection is measured against: per KV head the
     budget's tokens (or lychee's whole chunks) holding the most of the group's mean dense attention. Lychee's
