@@ -114,11 +114,34 @@ class ClusterIndex:
     def clone(self) -> "ClusterIndex":
         return ClusterIndex(**{k: v.clone() for k, v in vars(self).items()})
 
-    def compact(self) -> "ClusterIndex":
-        """A copy with centroids in bf16, for caching: exact, since a stored centroid's elements are int8 codes
-        times a power of two."""
-        return ClusterIndex(**{k: v.to(torch.bfloat16) if k.endswith("_mu") else v.clone()
-                               for k, v in vars(self).items()})
+    def pack(self) -> "PackedIndex":
+        """The index with its centroids as int8 codes and scales (``quantize``), as the pools store it."""
+        (fine, fine_scale), (coarse, coarse_scale) = quantize(self.fine_mu), quantize(self.coarse_mu)
+        rest = {k: v.clone() for k, v in vars(self).items() if not k.endswith("_mu")}
+        return PackedIndex(ClusterIndex(fine_mu=fine, coarse_mu=coarse, **rest), fine_scale, coarse_scale)
+
+
+@dataclass
+class PackedIndex:
+    """A ClusterIndex as the index pools hold it and the index cache keeps it: each centroid as its int8 codes
+    and power-of-two scale. Exact for stored centroids (``stored``), in half of bf16's bytes."""
+
+    index: ClusterIndex          # its fine_mu / coarse_mu hold the codes
+    fine_scale: torch.Tensor     # [H, L]
+    coarse_scale: torch.Tensor   # [H, P]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.index.num_chunks
+
+    def nbytes(self) -> int:
+        return self.index.nbytes() + sum(t.numel() * t.element_size() for t in (self.fine_scale, self.coarse_scale))
+
+    def unpack(self) -> ClusterIndex:
+        """The index with fp32 centroids (new tensors for them; the rest shared)."""
+        ix = self.index
+        return ClusterIndex(**{**vars(ix), "fine_mu": dequantize(ix.fine_mu, self.fine_scale),
+                               "coarse_mu": dequantize(ix.coarse_mu, self.coarse_scale)})
 
 
 def empty_index(H: int, d: int, device) -> ClusterIndex:

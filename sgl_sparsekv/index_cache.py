@@ -2,11 +2,13 @@
 its index instead of clustering it again (forks over one document, the next turn of a chat).
 
 An entry is a unit chain from position 0 (unit ids) and the index of every sparse layer over exactly
-those units (one ``ClusterIndex`` whose heads are layer-major, as the index pools load it). It holds one reference on each of its units, so no id it names can be recycled
-while it lives. A request adopts the entry sharing the longest chain prefix with its own chain,
-if that prefix covers enough of it: the entry's index without the units past the shared prefix
-becomes a shared segment of the index pools (``IndexPools.acquire``; one copy for every request that
-adopts the same prefix), and the request clusters its own remaining units into a segment of its own.
+those units (one ``PackedIndex`` whose heads are layer-major, as the index pools load it: int8 centroid codes,
+so the cache holds about 1.8x the prefixes it held with bf16 centroids at head_dim 128). It holds one
+reference on each of its units, so no id it names can be recycled while it lives. A request adopts the
+entry sharing the longest chain prefix with its own chain, if that prefix covers enough of it: the entry's
+index without the units past the shared prefix becomes a shared segment of the index pools
+(``IndexPools.acquire``; one copy for every request that adopts the same prefix), and the request clusters its
+own remaining units into a segment of its own.
 Least recently used entries beyond ``max_entries`` go, releasing their units.
 """
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_sparsekv.index import ClusterIndex, recount
+from sgl_sparsekv.index import ClusterIndex, PackedIndex, recount
 
 # memory for cached indexes, at most; SGLang's memory plan sets it aside before sizing the KV pool
 # (patches/plugin.py: reserve_index_cache)
@@ -29,7 +31,7 @@ CACHE_BYTES = 1 << 30
 class CachedIndex:
     units: np.ndarray                       # int64 unit ids
     lengths: torch.Tensor                   # tokens per unit
-    index: ClusterIndex
+    index: PackedIndex
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -82,10 +84,12 @@ class IndexCache:
             self.entries.move_to_end(best[0])
         return best
 
-    def adopt(self, eid: int, shared: int) -> ClusterIndex:
+    def adopt(self, eid: int, shared: int) -> PackedIndex:
         """The entry's index over its first ``shared`` units (new tensors where they differ; the entry's stay)."""
         entry = self.entries[eid]
-        return truncate(ClusterIndex(**vars(entry.index)), entry.lengths, shared)
+        packed = entry.index
+        return PackedIndex(truncate(ClusterIndex(**vars(packed.index)), entry.lengths, shared), packed.fine_scale,
+                           packed.coarse_scale)
 
     def add(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
         """Cache a copy of the index over exactly ``units`` (replacing the entry of the same chain)."""
@@ -98,7 +102,7 @@ class IndexCache:
             self._evict(self._by_chain[key])
         eid = self._next
         self._next += 1
-        self.entries[eid] = CachedIndex(units, lengths.clone(), index.compact())
+        self.entries[eid] = CachedIndex(units, lengths.clone(), index.pack())
         self._by_chain[key] = eid
         self.bytes += self.entries[eid].index.nbytes()
         while len(self.entries) > 1 and (len(self.entries) > self.max_entries or self.bytes > self.max_bytes):

@@ -11,8 +11,9 @@ grafting decoded chunks only writes rows.
     (centroids mu as int8 codes times their row's power-of-two scale, ``index.quantize``; the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
-A ``ClusterIndex`` over all sparse layers at once (heads ``Ls * H``, layer-major) moves in and out of a
-range with :meth:`IndexPools.load` / :meth:`IndexPools.export`.
+An index over all sparse layers at once (heads ``Ls * H``, layer-major) moves into a range as a ``PackedIndex``
+(:meth:`IndexPools.load`, centroid codes copied as they are) and out of it as a ``ClusterIndex``
+(:meth:`IndexPools.export`).
 
 Requests that adopt one cached prefix index share one copy of it: a *shared segment*, loaded once and
 refcounted (:meth:`IndexPools.acquire` / :meth:`IndexPools.release`), which nothing writes while it lives. Each
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import CODE_DTYPE, ClusterIndex, dequantize, quantize, recount, union
+from sgl_sparsekv.index import CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, recount, union
 
 
 class RangeAllocator:
@@ -216,20 +217,20 @@ class IndexPools:
     def _join(self, t: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(self.layers * self.heads, *t.shape[1:2], *t.shape[3:])
 
-    def load(self, ix: ClusterIndex, starts: torch.Tensor, lengths: torch.Tensor, room: int) -> PoolRanges | None:
+    def load(self, packed: PackedIndex, starts: torch.Tensor, lengths: torch.Tensor, room: int) -> PoolRanges | None:
         """Copy an all-layer index over chunks at ``starts``/``lengths`` into fresh ranges; None if full."""
+        ix = packed.index
         P, L, M = ix.coarse_r.shape[1], ix.fine_r.shape[1], ix.num_chunks
         rng = self._alloc(P, L, M + room)
         if rng is None:
             return None
         c, f, k = slice(rng.co, rng.co + P), slice(rng.fo, rng.fo + L), slice(rng.ko, rng.ko + M)
-        for dst, src in ((self.cr, ix.coarse_r), (self.ctok, ix.coarse_tokens), (self.cn, ix.coarse_n)):
+        for dst, src in ((self.cmu, ix.coarse_mu), (self.csc, packed.coarse_scale), (self.cr, ix.coarse_r),
+                         (self.ctok, ix.coarse_tokens), (self.cn, ix.coarse_n)):
             dst[:, c] = self._split(src)
-        for dst, src in ((self.fr, ix.fine_r), (self.ftok, ix.fine_tokens), (self.fn, ix.fine_n),
-                         (self.fpar, ix.fine_parent)):
+        for dst, src in ((self.fmu, ix.fine_mu), (self.fsc, packed.fine_scale), (self.fr, ix.fine_r),
+                         (self.ftok, ix.fine_tokens), (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
             dst[:, f] = self._split(src)
-        self.cmu[:, c], self.csc[:, c] = (self._split(t) for t in quantize(ix.coarse_mu))
-        self.fmu[:, f], self.fsc[:, f] = (self._split(t) for t in quantize(ix.fine_mu))
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)

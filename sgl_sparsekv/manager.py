@@ -514,7 +514,7 @@ class SparseKVManager:
             ix = empty_index(Ls * H, d, self.device)
             t2 = time.perf_counter()
         n = len(state.units) - shared
-        state.pool = self.pools.load(ix, starts[shared:], lengths[shared:], room=max(64, n // 4))
+        state.pool = self.pools.load(ix.pack(), starts[shared:], lengths[shared:], room=max(64, n // 4))
         self.stats["build_load_s"] += time.perf_counter() - t2
         if state.pool is None:
             if seg is not None:

@@ -59,8 +59,8 @@ def test_bounds_after_build_and_grafts(kind, H, M, d, G, size):
 def test_centroid_storage_is_exact_and_idempotent():
     """Centroids are stored as int8 codes times a power-of-two scale per row: each element within half a step of
     the fp32 value, a row using at least half the code range (the smallest power of two that fits), storing a
-    stored row gives it back with the same codes and scale (so pools, cache and twin agree), and bf16 (the index
-    cache) holds a stored row exactly. A zero row (an empty cluster) is zero codes at scale 1."""
+    stored row gives it back with the same codes and scale (so pools, cache and twin agree), and a packed index
+    (the cache's) unpacks to its stored centroids. A zero row (an empty cluster) is zero codes at scale 1."""
     from sgl_sparsekv.index import quantize, stored
 
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +74,9 @@ def test_centroid_storage_is_exact_and_idempotent():
     assert (codes.abs().amax(-1)[live] >= 64).all()
     again = quantize(s)
     assert torch.equal(again[0], codes) and torch.equal(again[1], scale) and torch.equal(stored(s), s)
-    assert torch.equal(s.to(torch.bfloat16).float(), s)
+    ix = build_index(F.normalize(torch.randn(2, 30, 16, generator=gen), dim=-1), torch.full((30,), 8), 2.0, 64, 5)
+    back = ix.pack().unpack()
+    assert torch.equal(back.fine_mu, stored(ix.fine_mu)) and torch.equal(back.coarse_mu, stored(ix.coarse_mu))
     assert scale[0, 0] == 1.0 and not codes[0, 0].any()
 
 
@@ -208,6 +210,7 @@ def test_token_mask():
 
 
 def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
+    from sgl_sparsekv.index import stored
     from sgl_sparsekv.index_cache import IndexCache
     from sgl_sparsekv.store import UnitStore
 
@@ -217,7 +220,7 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     store.key(ids, list(range(12)))
     lens = torch.full((12,), 10)
     index = build_index(_keys("random", 2, 12, 16, gen), lens, 2.0, 64, 5)
-    one = index.compact().nbytes()   # the cache keeps centroids in their storage dtype
+    one = index.pack().nbytes()   # the cache keeps centroids as the pools store them
     cache = IndexCache(store, max_bytes=int(2.5 * one))
     cache.add(ids, lens, index)
     assert all(int(store.refs[i]) == 3 for i in ids)  # slot + caller + cache
@@ -226,10 +229,12 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     found = cache.find(ids[:10] + [ids[11]])
     assert found is not None and found[1] == 10
     entry = cache.entries[found[0]].index
-    whole = entry.clone()
+    assert entry.index.fine_mu.dtype == entry.index.coarse_mu.dtype == torch.int8
+    whole = entry.index.clone()
     adopted = cache.adopt(*found)
-    assert adopted.num_chunks == 10 and int(adopted.fine_tokens.sum()) == 2 * 100
-    assert all(torch.equal(getattr(entry, k), t) for k, t in vars(whole).items())
+    assert adopted.num_chunks == 10 and int(adopted.index.fine_tokens.sum()) == 2 * 100
+    assert all(torch.equal(getattr(entry.index, k), t) for k, t in vars(whole).items())
+    assert torch.equal(adopted.unpack().fine_mu, stored(index.fine_mu))   # the centroids the pools would hold
     assert cache.find(ids[:5] + ids[6:]) is None  # shares too little
     # byte cap: older entries go, releasing their unit references
     for n in (11, 10):
@@ -265,7 +270,7 @@ def test_a_prefix_and_its_own_segment_read_as_one_index(seed, max_coarse):
     needle = M1 + 70
     keys[:, needle] = F.normalize(q.mean(1) + 0.05 * torch.randn(H, d, generator=gen), dim=-1)
     lens = torch.randint(8, 17, (M1 + M2,), generator=gen)
-    prefix = build_index(keys[:, :M1], lens[:M1], 2.0, max_coarse, 10).compact()   # as the cache keeps it
+    prefix = build_index(keys[:, :M1], lens[:M1], 2.0, max_coarse, 10).pack().unpack()   # as the cache keeps it
     assert (prefix.coarse_mu.shape[1] == max_coarse) == (max_coarse == 15)
     ix = union(prefix, build_index(keys[:, M1:], lens[M1:], 2.0, max_coarse, 10))
     assert ix.num_chunks == M1 + M2 and ix.fine_mu.dtype == torch.float32

@@ -47,14 +47,14 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev):
     Ls, M, d = 2, 40, 16
     pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, H, d, dev)
     pools.load(build_index(torch.nn.functional.normalize(torch.randn(Ls * H, 8, d, generator=gen), dim=-1),
-                           torch.full((8,), 12), 2.0, 64, 5),
+                           torch.full((8,), 12), 2.0, 64, 5).pack(),
                torch.zeros(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32), 4)   # someone else's rows
     refs, ranges = [], []
     for m in (M, M // 2):
         keys = torch.nn.functional.normalize(torch.randn(Ls * H, m, d, generator=gen), dim=-1)
         lengths = torch.randint(8, 17, (m,), generator=gen)
         ix = build_index(keys, lengths, 2.0, 64, 5)
-        rng = pools.load(ix, torch.cumsum(lengths, 0) - lengths, lengths, room=2)
+        rng = pools.load(ix.pack(), torch.cumsum(lengths, 0) - lengths, lengths, room=2)
         back = pools.export(rng)
         for name, t in vars(ix).items():
             assert torch.equal(getattr(back, name).cpu().to(t.dtype), t), name
@@ -523,7 +523,7 @@ def test_graft_past_int32_offsets():
     lengths = torch.full((M,), 12, device=dev)
     ix = build_index(keys, lengths, 2.0, 64, 5)
     pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, Hk, d, dev)
-    rng = pools.load(ix, torch.cumsum(lengths, 0) - lengths, lengths, room=8)
+    rng = pools.load(ix.pack(), torch.cumsum(lengths, 0) - lengths, lengths, room=8)
     ref = ix.clone()
     for uid in (U - 1, U - 2):
         summary[:, uid] = torch.nn.functional.normalize(torch.randn(Ls, Hk, 1, d, device=dev, generator=gen),
@@ -614,7 +614,7 @@ def test_graft_compiles_once_across_step_shapes():
     for _ in range(3):
         keys = torch.nn.functional.normalize(torch.randn(Ls * H, 24, d, device=dev, generator=gen), dim=-1)
         lengths = torch.full((24,), 12, device=dev)
-        ranges.append(pools.load(build_index(keys, lengths, 2.0, 64, 5), torch.cumsum(lengths, 0) - lengths,
+        ranges.append(pools.load(build_index(keys, lengths, 2.0, 64, 5).pack(), torch.cumsum(lengths, 0) - lengths,
                                  lengths, room=64))
     cache = _graft_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(cache)
