@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import torch
+import triton
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.kernels import rerank
@@ -48,6 +49,14 @@ UNPLACED = [0] * NR                        # the ranges of a request without an 
 PADDING_ROW = UNPLACED + [0, 1, 0, 1, 0, 0, 0]   # a batch row past the requests: one token of request row 0
 
 
+def parts_for(bs: int) -> int:
+    """Programs per (request, KV head) in the fine bounds and emission at batch size ``bs``: about 128 over the
+    batch, at least 16. Timed on an H200 at 32K and 126K (bench/results/parts_sweep_h200.json): at batch 1, 128
+    shorten each program's walk over its tiles (the chain 0.0487 -> 0.0474 ms per layer at 32K, 0.0677 -> 0.0615 at
+    126K, against 32); at batch 16, 16-32 are best and 128 cost 25% more."""
+    return max(16, 128 // triton.next_power_of_2(bs))
+
+
 def _segment_ranges(segs) -> tuple[list[int], int]:
     """A request's pool ranges (RANGE_FIELDS without ``so``: segment 0, the adopted prefix's, then segment 1, its
     own; segment 0 empty without an adopted prefix) and its fine clusters, from its index's segments."""
@@ -61,10 +70,11 @@ def _segment_ranges(segs) -> tuple[list[int], int]:
 
 
 class PooledDecode:
-    def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int = 32):
-        """``parts``: programs per (request, KV head) in selection and emission."""
+    def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int | None = None):
+        """``parts``: programs per (request, KV head) in selection and emission; by default ``parts_for`` the
+        batch size of each step (each captured graph's)."""
         self.manager = manager
-        self.parts = parts
+        self.parts = parts_for if parts is None else (lambda bs: parts)
         pools, cfg = manager.pools, manager.cfg
         self.cfg = cfg
         dev = manager.device
@@ -88,7 +98,7 @@ class PooledDecode:
         self.every = cfg.select_every
         kept = pools.layers if self.every > 1 else 1
         self.lens, self.windows = i32(kept * max_bs * H), i32(kept * max_bs * H * self.cap)
-        self.counts = i32(max_bs * H * parts)
+        self.counts = i32(H * max(bs * self.parts(bs) for bs in range(1, max_bs + 1)))
         self.owner = [None] * max_bs   # the RequestState whose lists a list row holds (select_every > 1)
         if kept > 1:
             logger.info("sparse-kv: token lists kept across %d steps: %.1f MiB for %d batch rows", self.every,
@@ -223,7 +233,7 @@ class PooledDecode:
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
         bs = q.shape[0]
-        cfg, n = self.cfg, bs * self.H
+        cfg, n, parts = self.cfg, bs * self.H, self.parts(bs)
         r = slice(0, bs)
         lens, windows = self._layer_lists(sparse_layer)
         lists_at = (self.list_rows[r], self.fresh[r])
@@ -233,13 +243,13 @@ class PooledDecode:
             # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
             qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
             sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
-                              self.parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
+                              parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
             reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
             cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
             self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
                       cfg.sink_tokens, cfg.recent_window, self.cap_c, dense_limit=cfg.token_budget,
-                      max_chunk=cfg.chunk_max, parts=self.parts, heads=heads,
-                      out=(*cand, self.counts[:n * self.parts]), lists_at=lists_at)
+                      max_chunk=cfg.chunk_max, parts=parts, heads=heads,
+                      out=(*cand, self.counts[:n * parts]), lists_at=lists_at)
             if reranked:
                 self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
                             self.cap, cfg.token_budget, (lens, windows), self.rerank_space, heads)

@@ -145,7 +145,10 @@ def test_select_fine_skips_childless_units():
             assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref), (b, parts)
 
 
-def test_emit_matches_reference_mask():
+@pytest.mark.parametrize("parts", [4, 128])
+def test_emit_matches_reference_mask(parts):
+    """Token lists hold exactly the reference mask's tokens, with every split of the chunk scan among programs (128:
+    what a batch of one uses in the server, ``pooled_decode.parts_for``)."""
     gen = torch.Generator().manual_seed(5)
     bs, H, G, D = 2, 2, 3, 64
     indexes, starts, lens, q = make_batch(bs, H, G, D, [60, 90], gen)
@@ -159,7 +162,7 @@ def test_emit_matches_reference_mask():
     sel = select_fine(q.to(DEV), coarse, fine, ranges, rem, 16.0)
     rows = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
     lens_out, windows = emit_tokens(sel, chunks, ranges, rows, seq.to(DEV), req_to_token.to(DEV), sink, recent,
-                                    cap, parts=4)
+                                    cap, parts=parts)
     lens_out, windows = lens_out.cpu(), windows.cpu()
     for b, ix in enumerate(indexes):
         S = int(seq[b])
