@@ -47,7 +47,8 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
         for tile in (8192, 4096):
             def cut():
                 ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
-                                          BAND=ks.CUT_BAND, BAND_KEYS=ks.CUT_BAND_KEYS, num_warps=warps)
+                                          BAND=ks.CUT_BAND, BAND_KEYS=ks.CUT_BAND_KEYS,
+                                          VALUE_STEPS=ks.CUT_VALUE_STEPS, num_warps=warps)
             rows_out.append({"bs": bs, "k": "cut", "BLOCK": tile, "warps": warps, "ms": round(graph_bench(cut), 4)})
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     list_rows, fresh = ks.every_row_fresh(bs, "cuda")

@@ -54,6 +54,11 @@ CUT_BLOCK, CUT_WARPS = 16384, 16
 # (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few: on an H200 at 32K this took
 # the cut from 18.8 to 16.7 us per layer at batch 1 (19.6 to 17.2 at batch 16; bands of 64 and 128: 17.4, 17.7)
 CUT_BAND, CUT_BAND_KEYS = 32, 1 << 16
+# the register cut's first passes (up to CUT_VALUE_STEPS) split the bounds' value interval rather than their key
+# interval: keys span about 2^31 whenever bounds of both signs are live, so key bisection takes ~16 passes to reach
+# the band, value bisection 8-9 (random and clustered keys, 340-10.6K clusters); a threshold near zero, where keys
+# crowd, still ends in key passes
+CUT_VALUE_STEPS = 12
 # rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
 # and 16, 32 programs per list) took 26 -> 17 us (emission) per layer at batch 16; the fine bounds' 32 rows, timed
 # on an H200 with bf16 centroids and coarse_expand 32, took 69 -> 57 us at batch 16 and 12.4 -> 8.1 us at batch 1
@@ -274,6 +279,21 @@ def _bisect(lo, hi, stop, live, key, tok, past, budget):
 
 
 @triton.jit
+def _bisect_values(lo, hi, lov, hiv, stop, steps, live, key, tok, past, budget):
+    """``_bisect`` for at most ``steps`` passes, each at the key of the midpoint of the values ``lov``/``hiv`` that
+    ``lo``/``hi`` stand for (kept strictly inside [lo, hi), so the invariant and the result are the same)."""
+    n = 0
+    while (hi - lo > stop) & (n < steps):
+        midv = (lov + hiv) * 0.5
+        mid = tl.minimum(tl.maximum(_order_key(midv), lo + 1), hi - 1)
+        over = past + tl.sum(tl.where(live & (key >= mid), tok, 0.0), 0) > budget
+        lo, lov = tl.where(over, mid, lo), tl.where(over, midv, lov)
+        hi, hiv = tl.where(over, hi, mid), tl.where(over, hiv, midv)
+        n += 1
+    return lo, hi
+
+
+@triton.jit
 def _band_cut(lo, live, key, tok, past, budget):
     """``_bisect`` to one key, for a band of a few clusters in one pairwise pass: the largest key whose mass
     (``past`` plus the band's tokens keyed at or above it) overflows the budget, else ``lo`` (all fits). Token
@@ -308,11 +328,12 @@ def _compact_live(Bh, Sh, L, BLOCK: tl.constexpr):
 
 @triton.jit
 def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H: tl.constexpr, BLOCK: tl.constexpr,
-                      BAND: tl.constexpr, BAND_KEYS: tl.constexpr, COMPACT: tl.constexpr):
+                      BAND: tl.constexpr, BAND_KEYS: tl.constexpr, COMPACT: tl.constexpr, VALUE_STEPS: tl.constexpr):
     """The cut of one (request, KV head) with L <= BLOCK clusters, every bound held in registers; COMPACT: of the
     ``n`` <= BLOCK live clusters that ``_compact_live`` listed in ``Sh`` instead (any L). A bisection pass costs the
     work over its tile: once the interval holds at most ``BAND_KEYS`` keys, the few clusters left in it are gathered
-    into a ``BAND``-wide tile (through the picks' row, which is written last) for the remaining passes."""
+    into a ``BAND``-wide tile (through the picks' row, which is written last) for the remaining passes. The first
+    passes (up to ``VALUE_STEPS``) halve the bounds' value interval, the rest the key interval."""
     one = tl.arange(0, BLOCK)
     if COMPACT:   # the tile holds the live clusters in index order, so ties still resolve by index
         m = one < n
@@ -327,6 +348,8 @@ def _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H: tl.constex
     lo = tl.min(tl.where(live, key, 1 << 40), 0)
     hi = tl.max(tl.where(live, key, -(1 << 40)), 0) + 1
     total = tl.sum(tl.where(live, tok, 0.0), 0)
+    lov, hiv = tl.min(tl.where(live, ub, float("inf")), 0), tl.max(tl.where(live, ub, NEG), 0)
+    lo, hi = _bisect_values(lo, hi, lov, hiv, BAND_KEYS, VALUE_STEPS, live, key, tok, 0.0, budget)
     lo, hi = _bisect(lo, hi, BAND_KEYS, live, key, tok, 0.0, budget)
     band = live & (key >= lo) & (key < hi)
     nb = tl.sum(band.to(tl.int32), 0)
@@ -408,7 +431,7 @@ def _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H: tl.constexpr, BL
 
 @triton.jit
 def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLOCK: tl.constexpr,
-                BAND: tl.constexpr, BAND_KEYS: tl.constexpr):
+                BAND: tl.constexpr, BAND_KEYS: tl.constexpr, VALUE_STEPS: tl.constexpr):
     """Take the live clusters in bound order (ties: lower index first) while the running token count stays
     within the budget, without sorting: the bound of the first cluster that overflows is found by bisection
     over order-preserving integer keys; clusters above it are taken, and tied ones in index order. Each
@@ -426,20 +449,26 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     so = h * S + _offset(T, st, b, 12)
     Bh, Sh = Bnd + so, Sel + so
     if L <= BLOCK // 8:
-        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 8, BAND, BAND_KEYS, False)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 8,
+                          BAND, BAND_KEYS, False, VALUE_STEPS)
     elif L <= BLOCK // 4:
-        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 4, BAND, BAND_KEYS, False)
+        _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 4,
+                          BAND, BAND_KEYS, False, VALUE_STEPS)
     else:
         n = _compact_live(Bh, Sh, L, BLOCK // 4)
         tl.debug_barrier()
         if n <= BLOCK // 8:
-            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H, BLOCK // 8, BAND, BAND_KEYS, True)
+            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H, BLOCK // 8,
+                              BAND, BAND_KEYS, True, VALUE_STEPS)
         elif n <= BLOCK // 4:
-            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H, BLOCK // 4, BAND, BAND_KEYS, True)
+            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, n, h, budget, H, BLOCK // 4,
+                              BAND, BAND_KEYS, True, VALUE_STEPS)
         elif L <= BLOCK // 2:
-            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 2, BAND, BAND_KEYS, False)
+            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 2,
+                              BAND, BAND_KEYS, False, VALUE_STEPS)
         elif L <= BLOCK:
-            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK, BAND, BAND_KEYS, False)
+            _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK,
+                              BAND, BAND_KEYS, False, VALUE_STEPS)
         else:
             _cut_in_memory(Bh, FTok, Sh, fo0, L0, fo1, L, h, budget, H, BLOCK, BAND * 8, BAND_KEYS)
 
@@ -472,7 +501,7 @@ def coarse_expand(q, coarse, ranges, budget, expand: float, heads: torch.Tensor,
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None,
-                cut_band: tuple[int, int] = (CUT_BAND, CUT_BAND_KEYS)):
+                cut_band: tuple[int, int] = (CUT_BAND, CUT_BAND_KEYS), cut_value_steps: int = CUT_VALUE_STEPS):
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
@@ -480,7 +509,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
-    (tile, keys) sets the register cut's last passes (``_cut_in_registers``).
+    (tile, keys) sets the register cut's last passes and ``cut_value_steps`` its first (``_cut_in_registers``).
     ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
@@ -496,7 +525,8 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     expanded = coarse_expand(q, coarse, ranges, budget, expand, heads, radius_weight, max_coarse)
     fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight, parts, max_coarse)
     _cut_kernel[(q.shape[0] * R,)](bnd, ftok, ranges, ranges.stride(0), budget, sel, bnd.stride(0), heads, R, H=H,
-                                   BLOCK=cut_block, BAND=cut_band[0], BAND_KEYS=cut_band[1], num_warps=CUT_WARPS)
+                                   BLOCK=cut_block, BAND=cut_band[0], BAND_KEYS=cut_band[1],
+                                   VALUE_STEPS=cut_value_steps, num_warps=CUT_WARPS)
     return sel
 
 

@@ -57,6 +57,36 @@ def test_select_fine_matches_reference(G, D, dtype):
             assert torch.equal(got, ref), (b, expand, rw)
 
 
+@pytest.mark.parametrize("value_steps", [0, 1, 12, 64])
+def test_cut_value_passes_pick_what_key_passes_pick(value_steps):
+    """The cut's first passes halve the bounds' value interval (``kernels.select.CUT_VALUE_STEPS``), the rest its
+    key interval: any number of value passes gives the reference's picks. Including a cut at a bound near zero
+    (queries along the first axis and the centroid score alone, so a bound is a centroid's first element, which for
+    one cluster per request is one code step): keys crowd there, and halving the values alone takes 15-16 passes to
+    reach the band, more than the default's 12, after which key passes finish."""
+    from sgl_sparsekv.index import centroid_scale
+
+    gen = torch.Generator().manual_seed(21)
+    bs, H, G, D = 3, 2, 1, 64
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [90, 160, 40], gen)
+    axis = torch.zeros(bs, H * G, D)
+    axis[..., 0] = 1.0
+    budgets = []
+    for ix in indexes:   # head 0: cluster 3's bound is one code step, and the budget overflows there
+        ix.fine_mu[0, 3, 0] = centroid_scale(ix.fine_mu[0, 3])
+        ub = ix.fine_mu[0, :, 0].masked_fill(ix.fine_r[0] == NEG, NEG)
+        assert 0 < ub[3] < 0.01 and not ((ub > 0) & (ub < ub[3])).any()
+        budgets.append(int(ix.fine_tokens[0][ub > ub[3]].sum() + ix.fine_tokens[0, 3] // 2))
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
+    for query, rw, budget in ((axis, 0.0, budgets), (q, 1.0, [70, 600, 200])):
+        sel = select_fine(query.to(DEV), coarse, fine, ranges, torch.tensor(budget, dtype=torch.int32, device=DEV),
+                          1e6, parts=2, radius_weight=rw, cut_value_steps=value_steps).cpu()
+        for b, ix in enumerate(indexes):
+            ref = select_clusters(ix, query[b].view(H, G, D), budget[b], 1e6, "max", rw)
+            assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref), (b, rw)
+            assert rw or (ref[0, 3] == 0 and ref[0].sum() > 0)   # the cut falls at the near-zero bound
+
+
 def tie_pairs(ix):
     """``ix`` with each odd fine cluster's centroid and radius copied from the cluster before it, where both are
     live: the two tie exactly on their bound for every query, so a cut between them must take the first."""
