@@ -622,8 +622,8 @@ def tp_fidelity_table(path: Path) -> str:
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
-LATEST = ("gpu_serving_h200_int8.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot_int8.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
+          "gpu_serving_h200_tpot_valuecut.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
 
 
@@ -669,6 +669,9 @@ def main(argv=None):
                      ("hardkuma_qwen_5prompts.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_valuecut.json", serving_table),
+                     ("gpu_serving_h200_tpot_valuecut.json", serving_table),
+                     ("cut_value_steps_h200.json", cut_probe_table),
                      ("gpu_serving_h200_int8.json", serving_table),
                      ("gpu_serving_h200_tpot_int8.json", serving_table),
                      ("gpu_serving_h200_latekeys.json", serving_table),
