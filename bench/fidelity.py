@@ -50,7 +50,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},
            "lychee-hybrid-staggered-0.25": ("lychee", {"head_roles": "staggered-0.25"}),
            # selection every k decode steps, its lists reused in between with the tokens decoded since (RACC)
-           **{f"lychee-every-{k}": ("lychee", {"select_every": k}) for k in (2, 4)}}
+           **{f"lychee-every-{k}": ("lychee", {"select_every": k}) for k in (2, 4)},
+           # selection one step ahead, beside the attention, with the step before's query
+           "lychee-ahead": ("lychee", {"select_ahead": True})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",

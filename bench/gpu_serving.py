@@ -47,11 +47,13 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # lychee-expand-8: coarse_expand 8, fine bounds for about half the clusters at 32K; lychee-rerank-2: the two-stage
 # selection (twice the budget's candidates, their keys scored, the budget's best attended); lychee-qwen-*: the role
 # maps shipped for Qwen2.5-Coder-0.5B (configs/head_roles/), served on that shape (--shape qwen2.5-coder-0.5b);
-# lychee-every-k: selection every k decode steps, the lists reused in between (config select_every)
+# lychee-every-k: selection every k decode steps, the lists reused in between (config select_every); lychee-ahead:
+# selection one step ahead, beside the attention (config select_ahead)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
             "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2},
             **{f"lychee-every-{k}": {"select_every": k} for k in (2, 4)},
+            "lychee-ahead": {"select_ahead": True},
             **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
                for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
 # --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
@@ -64,8 +66,8 @@ SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),
                                       max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                       sliding_window=None, use_sliding_window=False))}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
-          "dense_fallback_steps", "scratch_full_steps", "reused_list_steps", "decode_prepare_s", "index_build_s",
-          "index_release_s", "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s",
+          "dense_fallback_steps", "scratch_full_steps", "reused_list_steps", "unselected_steps", "decode_prepare_s",
+          "index_build_s", "index_release_s", "decode_host_syncs", "prepare_frees_s", "prepare_cut_s", "prepare_place_s",
           "prepare_graft_s", "build_keys_s", "build_cluster_s", "build_load_s", "extend_wait_s", "build_chunks",
           "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free")
 

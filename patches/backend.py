@@ -180,6 +180,9 @@ class SparseKVAttnBackend(AttentionBackend):
             self.manager.stats["decode_host_syncs"] += int(mode.is_decode())
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens)[:bs].tolist()
+        if mode.is_decode():
+            sparse = any(map(self.manager.needs_sparse, seq_lens))
+            self.decode_sparse |= sparse
         if mode.is_decode() and self.pooled is not None:
             self.plan = PoolPlan()
             self.active = self.pooled
@@ -188,12 +191,10 @@ class SparseKVAttnBackend(AttentionBackend):
                     self._big = PooledDecode(self.manager, max_bs=bs, q_heads=self.q_heads)
                 self.active = self._big
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
-                                self.token_to_kv_pool.get_key_buffer)
+                                self.token_to_kv_pool.get_key_buffer, attends=self.decode_sparse)
         elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
         if mode.is_decode():
-            sparse = any(map(self.manager.needs_sparse, seq_lens))
-            self.decode_sparse |= sparse
             self.manager.stats["sparse_steps" if sparse else "dense_steps"] += 1
             self.export_metrics()
         else:

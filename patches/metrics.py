@@ -26,6 +26,9 @@ COUNTERS = {
                              "Request decode steps run densely because their index had no room in the pools."),
     "scratch_full_steps": ("scratch_full_steps",
                            "Request decode steps run densely because the batch outgrew the selection scratch."),
+    "unselected_steps": ("unselected_steps",
+                         "Request decode steps past the budget run densely because the step before selected no "
+                         "token lists for them (select_ahead: a request's first decode step)."),
     "decode_host_syncs": ("decode_host_syncs",
                           "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
                           "through ForwardBatch.init_new)."),

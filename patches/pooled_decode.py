@@ -19,10 +19,18 @@ request keeps its list row (and its lists of every sparse layer) across steps: i
 and for the next k - 1 steps skips selection and emission and attends to its kept lists plus the tokens decoded
 since (``tail_from``). Its batch row may change in between; its list row does not. With k = 1 the list row is the
 batch row and every row is fresh.
+
+With ``select_ahead`` a request keeps its list row too, and each sparse layer runs in the other order: the attention
+reads the lists the request selected at the step before plus the token decoded since, then selection and emission
+write the next step's lists with this step's query, on a second CUDA stream that forks after the attention and joins
+the step's stream at the last sparse layer, so only the last layer's selection stays on the step's critical path. A
+request without lists from the step before (its first decode step, or one after a step that could not select)
+attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -95,14 +103,18 @@ class PooledDecode:
         self.rows, self.seq, self.budget, self.direct, self.fresh, self.list_rows, self.tail_from = self.fields[NR:]
         self.scratch = scratch(SCRATCH_PER_FINE_ROW * pools.capacity.fine, H, dev)
         # kept lists: one set per sparse layer when they outlive the step, else one set that every layer rewrites
-        self.every = cfg.select_every
-        kept = pools.layers if self.every > 1 else 1
+        self.every, self.ahead = cfg.select_every, cfg.select_ahead
+        self.layers_kept = self.every > 1 or self.ahead
+        kept = pools.layers if self.layers_kept else 1
         self.lens, self.windows = i32(kept * max_bs * H), i32(kept * max_bs * H * self.cap)
         self.counts = i32(H * max(bs * self.parts(bs) for bs in range(1, max_bs + 1)))
         self.owner = [None] * max_bs   # the RequestState whose lists a list row holds (select_every > 1)
         if kept > 1:
-            logger.info("sparse-kv: token lists kept across %d steps: %.1f MiB for %d batch rows", self.every,
+            logger.info("sparse-kv: token lists kept across steps: %.1f MiB for %d batch rows",
                         (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
+        # select_ahead on the GPU: the stream that selects beside the attention
+        self.side = torch.cuda.Stream(dev) if self.ahead and torch.device(dev).type == "cuda" else None
+        self.last_layer = pools.layers - 1
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
@@ -128,9 +140,21 @@ class PooledDecode:
 
     def _layer_lists(self, sparse_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lens, windows) of a sparse layer: its own when lists are kept across steps."""
-        i = sparse_layer if self.every > 1 else 0
+        i = sparse_layer if self.layers_kept else 0
         n = self.max_bs * self.H
         return self.lens[i * n:(i + 1) * n], self.windows[i * n * self.cap:(i + 1) * n * self.cap]
+
+    def _ahead_row(self, state, S: int, batch: set[int]) -> tuple[int, int | None]:
+        """select_ahead: (list row, length when its lists were selected, None if they were not) of a request at
+        length ``S``; ``state.lists`` then names the row and no selection yet (``prepare`` sets it once placed)."""
+        kept = state.lists
+        if kept is not None and kept[0] is self and self.owner[kept[1]] is state:
+            r, selected = kept[1], kept[2]
+            selected = selected if selected is not None and selected < S else None
+        else:
+            r, selected = self._claim(state, batch), None
+        state.lists = (self, r, None)
+        return r, selected
 
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
@@ -165,16 +189,31 @@ class PooledDecode:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
 
-    def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers) -> None:
-        """Host work of a decode step (no device read): tokens are the requests' host token ids."""
-        m, cfg = self.manager, self.cfg
+    def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers,
+                attends: bool = True) -> None:
+        """Host work of a decode step (no device read): tokens are the requests' host token ids. ``attends``: the
+        step runs the sparse layers through ``attend`` (an eager step that SGLang's own backend decodes does not:
+        it writes no lists, so none are kept from it)."""
+        m = self.manager
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
+        states = [m.states.get(row) for row in rows]
+        if attends:
+            table = (self._table_ahead if self.ahead else self._table)(rows, seq_lens, segments, states)
+            self._upload(table, len(rows), padded_bs, req_to_token.shape)
+        else:
+            for state in states:
+                if state is not None:
+                    state.lists = None
+        m.stats["decode_prepare_s"] += time.perf_counter() - t0
+
+    def _table(self, rows, seq_lens, segments, states) -> list[list[int]]:
+        """Per batch row: RANGE_FIELDS, then EXTRA."""
+        m, cfg = self.manager, self.cfg
         retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
         every = self.every
-        table = []   # per batch row: RANGE_FIELDS, then EXTRA
+        table = []
         so, room, reused = 0, self.scratch[0].shape[1], 0
-        states = [m.states.get(row) for row in rows]
         batch = {id(st) for st in states} if every > 1 else None
         direct_lens = []
         for i, (row, S, segs, state) in enumerate(zip(rows, seq_lens, segments, states)):
@@ -195,18 +234,54 @@ class PooledDecode:
                     state.lists = (self, list_row, -every)            # keeps the row, selects at the next step
             table.append(ranges + [row, S, retrieve, direct, fresh and not direct, list_row, tail_from])
             reused += not (fresh or direct)
-        table += [PADDING_ROW] * (padded_bs - len(rows))
-        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + len(EXTRA))
         self._count(seq_lens, direct_lens, reused)
+        m.stats["dense_fallback_steps"] += len(direct_lens)
+        return table
+
+    def _table_ahead(self, rows, seq_lens, segments, states) -> list[list[int]]:
+        """select_ahead: each row attends to the lists selected at its step before (else its whole sequence) and
+        selects for its next step where its index (or a length within the budget) allows."""
+        m = self.manager
+        table = []
+        so, room = 0, self.scratch[0].shape[1]
+        batch = {id(st) for st in states}
+        direct_lens = []
+        for row, S, segs, state in zip(rows, seq_lens, segments, states):
+            list_row, selected = self._ahead_row(state, S, batch)
+            ranges, need = _segment_ranges(segs)
+            placed = bool(segs) and so + need <= room
+            if placed:
+                ranges.append(so)
+                so += need
+            else:
+                ranges = UNPLACED
+                if segs:
+                    self._scratch_full()
+            selects = placed or not m.needs_sparse(S)   # within the budget its list is every token
+            if selects:
+                state.lists = (self, list_row, S)
+            else:   # past the budget without its index: its next step attends to the whole sequence
+                m.stats["dense_fallback_steps"] += 1
+            if selected is None:
+                direct_lens.append(S)
+                m.stats["unselected_steps"] += m.needs_sparse(S)
+            table.append(ranges + [row, S, self.retrieve, selected is None, selects, list_row,
+                                   S if selected is None else selected])
+        self._count(seq_lens, direct_lens, 0)
+        return table
+
+    def _upload(self, table: list[list[int]], bs: int, padded_bs: int, r2t_shape) -> None:
+        """The step's table (one list per batch row), padded to the captured batch size, to the device."""
+        table += [PADDING_ROW] * (padded_bs - bs)
+        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + len(EXTRA))
         if DEBUG:
-            check_table(table.T, len(rows), m.pools.capacity, room, req_to_token.shape)
+            check_table(table.T, bs, self.manager.pools.capacity, self.scratch[0].shape[1], r2t_shape)
         self.staging.host().numpy()[:, :padded_bs] = table.T
         self.staging.upload()
-        m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
     def _count(self, seq_lens: list[int], direct_lens: list[int], reused: int) -> None:
         """A step's counters: tokens of context, tokens attended (the whole sequence of a direct row, else at most
-        the budget), tokens scored by a rerank (its candidates), dense-fallback rows, rows that reused lists."""
+        the budget), tokens scored by a rerank (its candidates), rows that reused lists."""
         m, cfg = self.manager, self.cfg
         budget = cfg.token_budget
         direct = sum(direct_lens)
@@ -217,7 +292,6 @@ class PooledDecode:
         if cfg.rerank_factor > 1:   # a row past the budget that selects scores its candidates (direct ones do not)
             m.stats["scored_tokens"] += sum(min(S, self.cap_c) for S in seq_lens if m.needs_sparse(S)) - sum(
                 min(S, self.cap_c) for S in direct_lens)
-        m.stats["dense_fallback_steps"] += len(direct_lens)
         m.stats["reused_list_steps"] += reused
 
     def _scratch_full(self) -> None:
@@ -232,27 +306,57 @@ class PooledDecode:
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
+        if not self.ahead:
+            if self.layer_heads[sparse_layer] is not None:
+                self._select(q, k_buf, sparse_layer, req_to_token, scale)
+            return self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
+        out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
+        with self._beside(q, join=sparse_layer == self.last_layer):
+            self._select(q, k_buf, sparse_layer, req_to_token, scale)
+        return out
+
+    @contextlib.contextmanager
+    def _beside(self, q: torch.Tensor, join: bool):
+        """Work issued inside runs on the side stream once the step's stream reached this point; ``join``: the
+        step's stream waits for all of it after (the last sparse layer, so a captured graph ends joined)."""
+        if self.side is None:
+            yield
+            return
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        q.record_stream(self.side)   # the step's stream may reuse q's memory while the side stream still reads it
+        with torch.cuda.stream(self.side):
+            yield
+        if join:
+            main.wait_stream(self.side)
+
+    def _select(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
+        """The fresh rows' token lists of this layer (its retrieval heads'), from the pools."""
         bs = q.shape[0]
         cfg, n, parts = self.cfg, bs * self.H, self.parts(bs)
         r = slice(0, bs)
         lens, windows = self._layer_lists(sparse_layer)
-        lists_at = (self.list_rows[r], self.fresh[r])
         heads = self.layer_heads[sparse_layer]
-        if heads is not None:
-            coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
-            # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
-            qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
-            sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
-                              parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
-            reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
-            cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
-            self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
-                      cfg.sink_tokens, cfg.recent_window, self.cap_c, dense_limit=cfg.token_budget,
-                      max_chunk=cfg.chunk_max, parts=parts, heads=heads,
-                      out=(*cand, self.counts[:n * parts]), lists_at=lists_at)
-            if reranked:
-                self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
-                            self.cap, cfg.token_budget, (lens, windows), self.rerank_space, heads)
+        coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
+        # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
+        qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
+        sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
+                          parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
+        reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
+        cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
+        self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
+                  cfg.sink_tokens, cfg.recent_window, self.cap_c, dense_limit=cfg.token_budget,
+                  max_chunk=cfg.chunk_max, parts=parts, heads=heads,
+                  out=(*cand, self.counts[:n * parts]), lists_at=(self.list_rows[r], self.fresh[r]))
+        if reranked:
+            self.rerank(q, k_buf, cand, self.seq[r], scale, cfg.sink_tokens, cfg.recent_window, self.retrieve,
+                        self.cap, cfg.token_budget, (lens, windows), self.rerank_space, heads)
+
+    def _attention(self, q, k_buf, v_buf, sparse_layer: int, req_to_token, scale: float) -> torch.Tensor:
+        """Each row attends to its lists of this layer plus its tail, or to its whole sequence (``direct``)."""
+        bs = q.shape[0]
+        r = slice(0, bs)
+        lens, windows = self._layer_lists(sparse_layer)
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token, self.tail_from[r])
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts, windows, scale, lens=lens,
@@ -267,7 +371,7 @@ def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> N
     """Debug mode: every batch row's segments lie inside the pools and its scratch rows inside the scratch, its
     request row and length inside req_to_token; scratch rows of two batch rows never overlap."""
     f = dict(zip(RANGE_FIELDS, table))
-    rows, seq, _, direct = table[NR:NR + 4]
+    rows, seq, _, _, fresh = table[NR:NR + 5]
     end = 0
     for i in range(bs):
         for s in "01":
@@ -278,4 +382,4 @@ def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> N
         end = max(end, f["so"][i] + L)
         assert end <= scratch_rows, ("scratch rows", i)
         assert 0 <= rows[i] < req_to_token_shape[0] and 0 < seq[i] <= req_to_token_shape[1], (i, rows[i], seq[i])
-        assert not (direct[i] and f["M0"][i] + f["M1"][i]), ("a dense-fallback row with an index", i)
+        assert fresh[i] or not f["M0"][i] + f["M1"][i], ("a row with an index that does not select", i)

@@ -18,7 +18,7 @@ from typing import Any
 METHODS = ("off", "lychee", "quest")
 # a candidate list is scored in one program's registers: up to this many times the budget
 MAX_RERANK = 8
-_TYPES = {"int": int, "float": (int, float), "str": str}
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
 
 
 class ConfigError(ValueError):
@@ -71,6 +71,10 @@ class SparseKVConfig:
     # A request selects its tokens every `select_every` decode steps and reuses them in between, attending to the
     # tokens decoded since beside them (RACC: adjacent steps attend alike). 1: every step.
     select_every: int = 1
+    # A decode step attends to the token lists its request selected at the step before plus the token decoded
+    # since, and selects the next step's lists with its own query beside the attention (a second CUDA stream in
+    # the same graph), so selection leaves the step's critical path (RACC: adjacent steps attend alike).
+    select_ahead: bool = False
     # --- quest ---
     page_size: int = 16
 
@@ -78,7 +82,7 @@ class SparseKVConfig:
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
                    "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles",
-                   "rerank_factor", "select_every"),
+                   "rerank_factor", "select_every", "select_ahead"),
         "quest": ("page_size",),
     }
 
@@ -99,7 +103,7 @@ class SparseKVConfig:
             raise ConfigError(f"--sparse-kv: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
         for f in dataclasses.fields(self):
             v, want = getattr(self, f.name), _TYPES[f.type]
-            if isinstance(v, bool) or not isinstance(v, want):
+            if isinstance(v, bool) != (want is bool) or not isinstance(v, want):
                 name = f.type
                 raise ConfigError(f"sparse-kv config: key {f.name!r} must be {name}, got {type(v).__name__} {v!r}")
         positive = ("token_budget", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
@@ -130,6 +134,10 @@ class SparseKVConfig:
             if self.select_every > 1 and (self.head_roles != "all-retrieval" or self.rerank_factor > 1):
                 raise ConfigError("sparse-kv config: select_every > 1 needs head_roles 'all-retrieval' and "
                                   "rerank_factor 1 (reused token lists are kept per layer for retrieval heads only)")
+            if self.select_ahead and (self.select_every > 1 or self.head_roles != "all-retrieval"
+                                      or self.rerank_factor > 1):
+                raise ConfigError("sparse-kv config: select_ahead needs select_every 1, head_roles 'all-retrieval' "
+                                  "and rerank_factor 1")
         if self.enabled:
             # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
             # leave room for at least one retrieved unit beside the sink and the window.

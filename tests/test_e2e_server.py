@@ -98,9 +98,11 @@ def test_off_is_plain_sglang(reference):
 
 
 # lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
-# two-stage selection (its retrieval heads score twice the budget's candidates)
+# two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead: selection one step
+# ahead (each step attends to the lists selected at the step before)
 SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
-          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2})}
+          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2}),
+          "lychee-ahead": ("lychee", {"select_ahead": True})}
 
 
 @pytest.fixture(scope="module", params=list(SPARSE))
@@ -111,6 +113,7 @@ def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
         out = run_suite(srv, smollm2_tokenizer)
         out["head_roles"] = extra_cfg.get("head_roles", "all-retrieval")
         out["rerank_factor"] = extra_cfg.get("rerank_factor", 1)
+        out["select_ahead"] = extra_cfg.get("select_ahead", False)
         yield method, srv, out
 
 
@@ -122,6 +125,7 @@ def test_config_reached_scheduler(sparse):
     if method == "lychee":
         assert state["sparse_kv_config"]["head_roles"] == out["head_roles"]
         assert state["sparse_kv_config"]["rerank_factor"] == out["rerank_factor"]
+        assert state["sparse_kv_config"]["select_ahead"] == out["select_ahead"]
     assert "sparse_kv_stats" in state
 
 
@@ -137,6 +141,10 @@ def test_long_prompt_decodes_sparsely(sparse):
     attended = after["attended_tokens"] - before["attended_tokens"]
     context = after["context_tokens"] - before["context_tokens"]
     assert context >= steps * S
+    # with select_ahead the first decode step has no lists selected before it: it attends to its whole sequence
+    unselected = after["unselected_steps"] - before["unselected_steps"]
+    assert unselected == int(out["select_ahead"])
+    attended -= unselected * (S + 1)
     assert attended <= BUDGET["token_budget"] * context / S
     assert attended < 0.15 * context
     # the two-stage selection scores the keys of up to rerank_factor x the budget per list and attends the budget

@@ -149,6 +149,8 @@ class TwinWorld(World):
         return units_to_token_mask(sel, torch.tensor(st.starts[:n]), torch.tensor(st.ends[:n]), S, sink, recent)
 
     def decode_batch(self, reqs):
+        if self.cfg.select_ahead:
+            return self.decode_batch_ahead(reqs)
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
@@ -184,6 +186,43 @@ class TwinWorld(World):
                     mask = tail
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, scale)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
+
+
+    def decode_batch_ahead(self, reqs):
+        """select_ahead: a request attends to the spec's lists for its query of the step before (in the same
+        layer) plus the token decoded since, or to its whole sequence when it selected nothing then; its lists
+        after the step are the spec's for this step's query."""
+        rows, seqs, toks = self.append_tokens(reqs)
+        r2t = self.req_pool.req_to_token
+        padded = len(rows) + 1
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
+        n = len(rows)
+        unselected, selects, list_rows = (t[:n].tolist() for t in (self.decoder.direct, self.decoder.fresh,
+                                                                    self.decoder.list_rows))
+        self.overflow = set()
+        for l in range(self.cfg.dense_layers, LAYERS):
+            q = torch.randn(padded, H * G, D, generator=self.qgen)
+            sl = l - self.cfg.dense_layers
+            out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, D ** -0.5)
+            for i, (row, S) in enumerate(zip(rows, seqs)):
+                if unselected[i]:
+                    mask = torch.ones(H, S, dtype=torch.bool)
+                else:
+                    before, S_sel = self.kept.pop((row, sl))
+                    mask = torch.cat([before, torch.ones(H, S - S_sel, dtype=torch.bool)], 1)
+                    self.reused += not bool(before.all())
+                ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, D ** -0.5)
+                assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
+                self.kept.pop((row, sl), None)
+                if not selects[i]:
+                    continue
+                own = self.spec_mask(row, S, sl, q[i])
+                self.kept[row, sl] = (own, S)
+                for h in range(H):
+                    got = self.decoder.token_list(list_rows[i] * H + h, sl).tolist()
+                    want = r2t[row, :S][own[h]].tolist()
+                    assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
+                    self.lists_checked += 1
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -265,13 +304,15 @@ def test_adopters_of_one_prefix_decode_over_one_shared_segment():
     assert all(a.free_rows == a.capacity for a in m.pools.alloc.values())
 
 
-@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("every", [1, 3, "ahead"])
 def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely(every):
     """The selection scratch holds the clusters of the first request only: the second decodes over its whole
     sequence that step (attention equal to dense, counted as a dense fallback), the first stays sparse. With
     select_every 3 the rows take turns: a step where the first reuses its lists leaves the scratch to the second,
-    and a row that decoded densely selects at its next step."""
-    w = TwinWorld(2, {"select_every": every})
+    and a row that decoded densely selects at its next step. With select_ahead the second selects nothing, so it
+    decodes densely at each next step."""
+    ahead = every == "ahead"
+    w = TwinWorld(2, {"select_ahead": True} if ahead else {"select_every": every})
     w.rng = random.Random(2)
     w.docs = [d * 2 for d in w.docs]
     for _ in range(2):
@@ -282,17 +323,22 @@ def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely(every):
     w.decoder.scratch = tuple(t[:, :rows].contiguous() for t in w.decoder.scratch)
     before = w.pooled.stats["dense_fallback_steps"]
     overflows = []
-    for _ in range(6 if every > 1 else 3):
+    steps = {1: 3, 3: 6, "ahead": 4}[every]
+    for _ in range(steps):
         attended = w.pooled.stats["attended_tokens"]
         w.decode_batch(list(w.live))
-        overflows.append(w.overflow)
+        dense = {r.req_pool_idx for r, u in zip(w.live, w.decoder.direct.tolist()) if u} if ahead else w.overflow
+        overflows.append(dense)
         # the attended tokens count a dense row's whole sequence, a sparse row's budget
         seqs = w.decoder.seq[:2].tolist()
         assert w.pooled.stats["attended_tokens"] - attended == sum(
-            S if r.req_pool_idx in w.overflow else min(S, w.cfg.token_budget) for r, S in zip(w.live, seqs))
+            S if r.req_pool_idx in dense else min(S, w.cfg.token_budget) for r, S in zip(w.live, seqs))
     if every == 1:
         assert overflows == [{w.live[1].req_pool_idx}] * 3
-        assert w.pooled.stats["dense_fallback_steps"] - before == 3 == w.pooled.stats["scratch_full_steps"]
+    if ahead:   # the lists of its step before the scratch shrank, then its whole sequence
+        assert overflows == [set()] + [{w.live[1].req_pool_idx}] * 3
+    if every != 3:
+        assert w.pooled.stats["dense_fallback_steps"] - before == steps == w.pooled.stats["scratch_full_steps"]
     else:
         assert {w.live[1].req_pool_idx} in overflows and set() in overflows and w.reused > 0, overflows
 
@@ -328,10 +374,28 @@ def test_select_every_reuses_lists_between_selections(seed):
     assert st["dense_fallback_steps"] == 0
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_select_ahead_attends_to_the_lists_of_the_step_before(seed):
+    """select_ahead: every step attends, in every sparse layer, to the lists the spec gives the request's query of
+    the step before plus the token decoded since, and leaves the spec's lists for this step's query, while
+    requests join and leave and batch rows move; a request's first decode step attends to its whole sequence
+    (counted in unselected_steps), never to another request's lists."""
+    w = TwinWorld(seed, {"select_ahead": True})
+    w.rng = random.Random(seed)
+    w.docs = [d * 2 for d in w.docs]
+    w.random_history(16, 0.35, 8, shuffle=True)
+    for _ in range(30):
+        w.decode_batch(list(w.live))
+    st = w.pooled.stats
+    assert w.reused > 0 and st["grafts"] > 0 and w.lists_checked > 200
+    assert st["unselected_steps"] > 0 and st["dense_fallback_steps"] == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("no_sync,roles,rerank,every", [(False, "all-retrieval", 1, 1), (True, "all-retrieval", 1, 1),
                                                         (False, "staggered-0.5", 1, 1), (True, "staggered-0.5", 2, 1),
-                                                        (True, "all-retrieval", 1, 4)])
+                                                        (True, "all-retrieval", 1, 4),
+                                                        (True, "all-retrieval", 1, "ahead")])
 def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
@@ -342,16 +406,21 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     in serving): cutting, summarizing and grafting units never waits for the GPU. ``roles``: hybrid heads, whose
     sparse heads' lists must survive from one captured layer to the next. ``rerank``: the two-stage selection's
     factor (its candidates' keys scored in the graph too). ``every``: select_every (lists kept per layer across
-    steps, attended with the tokens decoded since)."""
+    steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
+    a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
+    twin selects with this step's query."""
     from sgl_sparsekv.config import SparseKVConfig
 
+    ahead = every == "ahead"
+    every = 1 if ahead else every
     if no_sync:
         monkeypatch.setattr("sgl_sparsekv.manager.DEBUG", False)
         monkeypatch.setattr("sgl_sparsekv.patches.pooled_decode.DEBUG", False)
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
-                                                "head_roles": roles, "rerank_factor": rerank, "select_every": every})
+                                                "head_roles": roles, "rerank_factor": rerank, "select_every": every,
+                                                "select_ahead": ahead})
     lens = [20_000, 9_000, 31_000]
     slots = sum(lens) + 4096
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -393,11 +462,15 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
             dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l])
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
-    def run_layers():
+    def run_layers():   # keeps the lists each layer attends to: the step before's with select_ahead
         for l in range(1, layers):
+            if ahead:
+                for dst, src in zip(lists[l - 1], dec._layer_lists(l - 1)):
+                    dst.copy_(src)
             outs[l - 1].copy_(dec.attend(q, k[l], v[l], l - 1, r2t, d ** -0.5))
-            for dst, src in zip(lists[l - 1], dec._layer_lists(l - 1)):
-                dst.copy_(src)
+            if not ahead:
+                for dst, src in zip(lists[l - 1], dec._layer_lists(l - 1)):
+                    dst.copy_(src)
 
     def sorted_lists(lens, windows):
         w = windows[:n * cap].view(n, cap).long()
@@ -424,7 +497,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
             assert torch.allclose(outs[l - 1][:3].float(), own.float(), atol=2e-2, rtol=2e-2), (it, l)
             twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
             assert torch.equal(twin.list_rows[:3], dec.list_rows[:3]) and torch.equal(twin.fresh[:3], dec.fresh[:3])
-            (a_len, a), (b_len, b) = sorted_lists(got_lens, got), sorted_lists(*twin._layer_lists(l - 1))
+            left = dec._layer_lists(l - 1) if ahead else (got_lens, got)   # the lists the step wrote
+            (a_len, a), (b_len, b) = sorted_lists(*left), sorted_lists(*twin._layer_lists(l - 1))
             assert torch.equal(a_len, b_len), (it, l)
             for j in (a != b).any(1).nonzero().flatten().tolist():
                 swapped = int((~torch.isin(a[j], b[j])).sum())
@@ -435,6 +509,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
     assert (pooled.stats["reused_list_steps"] > 0) == (every > 1)
+    assert pooled.stats["unselected_steps"] == (3 if ahead else 0)   # the first step of each request
     # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
     done = pooled.states[rows[0]]
     grafted = done.units[:done.pooled_chunks]
