@@ -154,9 +154,15 @@ def selection_steps(layers, positions, first_sparse: int, every: int, drift: flo
 
 
 def reused_masks(cfg: SparseKVConfig, every: int, drift: float, ids, layers, positions, table) -> dict:
-    """Like :func:`own_masks` for requests that reuse their lists (``selection_steps``): the step at t attends to the
-    mask selected at s and to every token decoded since, (s, t], as ``PooledDecode`` serves it."""
-    src = selection_steps(layers, positions, cfg.dense_layers, every, drift)
+    """Like :func:`own_masks` for requests that reuse their lists (``selection_steps``)."""
+    return masks_selected_at(cfg, selection_steps(layers, positions, cfg.dense_layers, every, drift), ids, layers,
+                             table)
+
+
+def masks_selected_at(cfg: SparseKVConfig, src: dict, ids, layers, table) -> dict:
+    """{(layer, t): mask}: the step at t attends to the mask selected at step ``src[t]`` = s (with its own query) and
+    to every token decoded since, (s, t], as ``PooledDecode`` serves lists kept across steps (``select_every``;
+    ``select_ahead``, where s = t - 1)."""
     base = own_masks(cfg, ids, layers, sorted(set(src.values())), table)
     out = {}
     for (l, s), m in base.items():
@@ -233,7 +239,8 @@ def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
     r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32, device=dev)
     m = SparseKVManager(cfg, len(layers), H, d, n + 1, device=dev, boundary_table=table)
     decoder = PooledDecode(m, max_bs=1, q_heads=Hq)
-    first = positions[0]                                    # the prompt: tokens [0, first]
+    # the prompt: tokens [0, first]; with select_ahead one step earlier, whose selection the first position reads
+    first = positions[0] - cfg.select_ahead
     toks = [int(x) for x in ids]
     plan = m.prepare_extend([0], [0], [first + 1], r2t, [toks])
     for l in range(len(layers)):
@@ -242,19 +249,29 @@ def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
     out = {}
     for t in range(first, positions[-1] + 1):   # a decode step per token (cuts and grafts as in serving)
         decoder.prepare([0], [t + 1], 1, r2t, [toks], lambda l: k_pool[l])
-        if t not in positions and cfg.select_every == 1:   # (lists kept across steps are written when selected)
-            continue
+        if t not in positions and cfg.select_every == 1 and not cfg.select_ahead:   # (kept lists: written when
+            continue                                                                 # selected)
         row, tail = int(decoder.list_rows[0]), int(decoder.tail_from[0])
+        if decoder.direct[0]:   # no lists selected at the step before (select_ahead's first step)
+            row, tail = None, 0
         for l in range(cfg.dense_layers, len(layers)):
+            sl = l - cfg.dense_layers
+            read = attended_mask(decoder, row, tail, sl, t + 1) if cfg.select_ahead else None
             q = layers[l][0][:, t][None].to(k_pool[l].dtype)    # [1, Hq, d]
-            decoder.attend(q, k_pool[l], v_pool[l], l - cfg.dense_layers, r2t, d ** -0.5)
-            mask = torch.zeros(H, t + 1, dtype=torch.bool, device=dev)
-            mask[:, tail:] = True   # the tokens decoded since the lists were selected
-            for h in range(H):
-                w = decoder.token_list(row * H + h, l - cfg.dense_layers).long()
-                mask[h, w - 1] = True
-            out[(l, t)] = mask
+            decoder.attend(q, k_pool[l], v_pool[l], sl, r2t, d ** -0.5)
+            out[(l, t)] = read if cfg.select_ahead else attended_mask(decoder, row, tail, sl, t + 1)
     return {key: m for key, m in out.items() if key[1] in positions}
+
+
+def attended_mask(decoder, row: int | None, tail: int, sparse_layer: int, seq: int) -> torch.Tensor:
+    """[H, seq] bool: the positions a one-request decoder's lists of list row ``row`` hold (KV slot = position + 1)
+    and the tail from ``tail`` on (the whole sequence when ``row`` is None)."""
+    H = decoder.H
+    mask = torch.zeros(H, seq, dtype=torch.bool, device=decoder.starts.device)
+    mask[:, tail:] = True   # the tokens decoded since the lists were selected
+    for h in range(H if row is not None else 0):
+        mask[h, decoder.token_list(row * H + h, sparse_layer).long() - 1] = True
+    return mask
 
 
 def mask_metrics(layer, t: int, mask: torch.Tensor, budget: int) -> np.ndarray:
@@ -309,6 +326,8 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
     elif variant in REUSES:
         masks = reused_masks(cfg, *REUSES[variant], ids, layers, positions, table)
+    elif variant == "lychee-ahead":
+        masks = masks_selected_at(cfg, {t: t - 1 for t in positions}, ids, layers, table)
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
@@ -498,6 +517,8 @@ VARIANTS = {
     "lychee-flat": {"coarse_expand": 1e9},
     "lychee-fixed-chunks": {"chunking": "fixed"},
     "lychee-previous-query": {},
+    # selection one step ahead as served (select_ahead): the step before's own selection, and the token decoded since
+    "lychee-ahead": {},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
     **{v: {} for v in RERANKS},

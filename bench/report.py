@@ -294,6 +294,41 @@ def hybrid_serving_table(path: Path) -> str:
                      "host ms per decode step", "batch-1 TPOT at 32K ms", "errors"], rows)
 
 
+def methods_serving_table(path: Path) -> str:
+    """Dense, lychee and lychee variants from one card: each method's batch-1 TPOT (and over dense at 4K, the #10
+    target's yardstick), then each workload a method ran against dense's (bench/gpu_serving.py)."""
+    r = json.loads(path.read_text())
+    methods = r["settings"]["methods"]
+    tpot = {m: {c: v["tpot_ms"] for c, v in r[m].get("tpot_bs1", {}).items()} for m in methods}
+    short = tpot["dense"]["4096"]
+    rows = [(f"{ctx} tokens", *(f"{tpot[m][ctx]:.2f} ({tpot[m][ctx] / short:.2f}x)" for m in methods))
+            for ctx in tpot["dense"]]
+    where = (f"Serving, {r['device']}, {r['model']}, {r['settings']['backend']} backend for both (lychee wraps it), "
+             f"CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: {r['note']} "
+             f"(`{path.relative_to(RESULTS.parent.parent)}`)")
+    out = [md_table(where, ["batch 1, cached prompt", *(f"{m} TPOT ms (over dense at 4K)" for m in methods)], rows)]
+    d = r["dense"]
+    for key, label in WORKLOADS:
+        if key not in d:
+            continue
+        rows = []
+        for m in (m for m in methods if m != "dense" and key in r[m]):
+            w, p = r[m][key], r[m][key]["plugin"]
+            steady = (w.get("steady_decode") or {}).get("median_tok_s"), (d[key].get("steady_decode") or {}).get(
+                "median_tok_s")
+            rows.append((m, f"{d[key]['output_throughput']:.0f} / {w['output_throughput']:.0f}",
+                         f"{w['output_throughput'] / d[key]['output_throughput']:.2f}x",
+                         f"{steady[0] / steady[1]:.2f}x" if all(steady) else "n/a",
+                         f"{d[key]['median_itl_ms']:.1f} / {w['median_itl_ms']:.1f}", w["host_ms_per_decode_step"],
+                         p["decode_host_syncs"], p["dense_fallback_steps"], p.get("unselected_steps", "n/a"),
+                         f"{d[key]['errors']} / {w['errors']}"))
+        out.append(md_table(f"{label}:", ["method", "output tok/s dense / method", "throughput ratio",
+                                          "steady decode ratio", "median ITL ms dense / method",
+                                          "host ms per decode step", "host syncs", "dense-fallback steps",
+                                          "unselected steps", "errors"], rows))
+    return "\n\n".join(out)
+
+
 def hybrid_breakdown_table(path: Path) -> str:
     r = json.loads(path.read_text())
     parts = ["coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms"]
@@ -623,7 +658,7 @@ def tp_fidelity_table(path: Path) -> str:
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
 LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot_valuecut.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "gpu_serving_h200_tpot_valuecut.json", "gpu_serving_h200_ahead.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
 
 
@@ -670,6 +705,7 @@ def main(argv=None):
                      ("hardkuma_qwen_5prompts.json", hardkuma_table), ("head_roles_qwen_topk.json", roles_table),
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
+                     ("gpu_serving_h200_ahead.json", methods_serving_table),
                      ("gpu_serving_h200_valuecut.json", serving_table),
                      ("gpu_serving_h200_tpot_valuecut.json", serving_table),
                      ("cut_value_steps_h200.json", cut_probe_table),

@@ -180,6 +180,32 @@ def test_served_reuse_attends_what_the_analysis_measured():
     assert any(not torch.equal(want[key], own[key]) for key in want)
 
 
+def test_served_ahead_attends_what_the_analysis_measured():
+    """``select_ahead`` through the serving path over five decode steps attends, at each step, exactly
+    ``bench.attention_recall``'s lychee-ahead mask: the lists the step before selected with its own query, and the
+    token decoded since; which is not what the step's own query selects."""
+    import dataclasses
+
+    from bench.attention_recall import masks_selected_at, own_masks, served_masks
+    from sgl_sparsekv.config import SparseKVConfig
+    from tests.test_head_roles import PLANTED, planted_layers
+
+    T = PLANTED[0]
+    table, ids, layers = planted_layers(3)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256})
+    positions = list(range(T - 6, T - 1))
+    want = masks_selected_at(cfg, {t: t - 1 for t in positions}, ids, layers, table)
+    got = served_masks(dataclasses.replace(cfg, select_ahead=True), ids, layers, positions, table)
+    assert want.keys() == got.keys() and len(got) == len(positions) * (len(layers) - cfg.dense_layers)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    previous = own_masks(cfg, ids, layers, [t - 1 for t in positions], table)
+    l = cfg.dense_layers
+    assert torch.equal(got[(l, T - 4)][:, :T - 4], previous[(l, T - 5)]) and got[(l, T - 4)][:, T - 4].all()
+    own = own_masks(cfg, ids, layers, positions, table)
+    assert any(not torch.equal(want[key], own[key]) for key in want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G,D,factor", [(4, 128, 2), (7, 64, 2), (4, 128, 4)])
 def test_rerank_real_shapes(G, D, factor):
