@@ -172,11 +172,13 @@ class PooledDecode:
         return r, 1, S
 
     def _claim(self, state, batch: set[int]) -> int:
-        """A list row for ``state``: a free one, else one whose owner finished or is not in this batch (``batch``:
-        ids of the batch's states)."""
+        """A list row for ``state``: a free one (no owner, its owner finished, or its owner's lists are elsewhere
+        now: another decoder's, after a batch past the captured sizes), else one whose owner is not in this batch
+        (``batch``: ids of the batch's states). Each state of the batch holds at most one row, so one is found."""
         live = self.manager.states
         for r, owner in enumerate(self.owner):
-            if owner is None or live.get(owner.row) is not owner:
+            if owner is None or live.get(owner.row) is not owner or not (
+                    owner.lists and owner.lists[0] is self and owner.lists[1] == r):
                 break
         else:
             r = next(r for r, owner in enumerate(self.owner) if id(owner) not in batch)

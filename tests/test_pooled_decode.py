@@ -391,6 +391,23 @@ def test_select_ahead_attends_to_the_lists_of_the_step_before(seed):
     assert st["unselected_steps"] > 0 and st["dense_fallback_steps"] == 0
 
 
+@pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
+def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
+    """Requests that keep lists across steps decode a step through the buffers of a batch larger than the captured
+    sizes (the backend's eager ``_big``) and come back: each claims a list row again, although every row of the
+    captured buffers still names one of them as its owner, and attends correctly (the spec check)."""
+    w = TwinWorld(4, keep)
+    w.rng = random.Random(4)
+    w.docs = [d * 2 for d in w.docs]
+    captured, big = PooledDecode(w.manager, max_bs=4, q_heads=H * G, parts=2), w.decoder
+    for _ in range(3):
+        w.start()
+    for decoder in (captured, captured, big, captured, captured, captured):
+        w.decoder = decoder
+        w.decode_batch(list(w.live))
+    assert w.lists_checked > 0 and w.reused > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("no_sync,roles,rerank,every", [(False, "all-retrieval", 1, 1), (True, "all-retrieval", 1, 1),
                                                         (False, "staggered-0.5", 1, 1), (True, "staggered-0.5", 2, 1),
