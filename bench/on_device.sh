@@ -3,6 +3,9 @@
 #   bash bench/on_device.sh tests                                  # pytest -m gpu, log in $OUT/gpu_tests.log
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
+#   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off"  # bench.fidelity into $OUT/NAME.json
+#   (fidelity: real Qwen2.5-Coder-0.5B, 50 samples per task at budget 1024 unless further bench.fidelity flags say
+#    otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the model's parts to /tmp/gpu-model)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
 #    a resume_s.json in the tree root is resumed, so dense can follow lychee in a second call on the same machine)
 # Each command stays under the call's 600 s; $OUT/gpu.txt names the card.
@@ -23,6 +26,14 @@ case "$1" in
   breakdown)
     name=$2; shift 2
     timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
-  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" >&2
+  fidelity)
+    name=$2; length=$3; methods=$4; shift 4
+    [ -d /tmp/qwen ] || python3 .gpu-bundle/model_on_gpu.py qwen2.5-coder-0.5b /tmp/qwen > /dev/null
+    # shellcheck disable=SC2086  # METHODS is a word list
+    timeout 580 python3 -m bench.fidelity --device gpu --model qwen2.5-coder-0.5b --model-dir /tmp/qwen \
+      --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
+      "$@" 2>&1 | tail -30 ;;
+  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
+          "| fidelity NAME LENGTH METHODS [FLAGS]" >&2
      exit 2 ;;
 esac

@@ -675,6 +675,7 @@ def main(argv=None):
                      ("attention_recall_qwen_rerank_16k.json", merged_recall_table),
                      ("selection_query_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_ahead_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_ahead_budgets_16k.json", merged_recall_table),
                      ("attention_recall_qwen_previous_query_16k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_carry_4k.json", merged_recall_table),
