@@ -260,6 +260,7 @@ def served_masks(cfg: SparseKVConfig, ids, layers, positions, table) -> dict:
             q = layers[l][0][:, t][None].to(k_pool[l].dtype)    # [1, Hq, d]
             decoder.attend(q, k_pool[l], v_pool[l], sl, r2t, d ** -0.5)
             out[(l, t)] = read if cfg.select_ahead else attended_mask(decoder, row, tail, sl, t + 1)
+        decoder.join()   # as the backend does after the forward (select_ahead on a GPU selects on a side stream)
     return {key: m for key, m in out.items() if key[1] in positions}
 
 

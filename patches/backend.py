@@ -16,6 +16,7 @@ exactly like ``--sparse-kv off``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -100,6 +101,20 @@ def watch_frees(manager: SparseKVManager, req_pool, allocator) -> None:
     allocator.free, allocator.clear = slot_free, slot_clear
 
 
+def join_after_forward(model, backend) -> None:
+    """select_ahead: the decoder's side stream joins once the whole forward is issued, not at the last sparse layer.
+    SGLang's runners call ``model.forward`` itself (no module hooks run), so the instance attribute wraps it."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def joined(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        backend.active.join()
+        return out
+
+    model.forward = joined
+
+
 class SparseKVAttnBackend(AttentionBackend):
     def __init__(self, runner, inner: AttentionBackend, cfg: SparseKVConfig):
         super().__init__()
@@ -132,6 +147,8 @@ class SparseKVAttnBackend(AttentionBackend):
         self.extend_rows = ([], [])   # the prefill's (request rows, prompt complete), for finish_extend
         if self.manager.pools is not None:
             self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
+            if self.pooled.side is not None:
+                join_after_forward(runner.model, self)
         self._last_log = 0.0
         self.metrics = None   # PrometheusExport, set by the scheduler hook with --enable-metrics
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,

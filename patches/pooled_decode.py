@@ -112,9 +112,10 @@ class PooledDecode:
         if kept > 1:
             logger.info("sparse-kv: token lists kept across steps: %.1f MiB for %d batch rows",
                         (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
-        # select_ahead on the GPU: the stream that selects beside the attention
+        # select_ahead on the GPU: the stream that selects beside the attention; ``forked``: the step's stream has
+        # not waited for it since (``join``)
         self.side = torch.cuda.Stream(dev) if self.ahead and torch.device(dev).type == "cuda" else None
-        self.last_layer = pools.layers - 1
+        self.forked = False
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
@@ -144,12 +145,17 @@ class PooledDecode:
         n = self.max_bs * self.H
         return self.lens[i * n:(i + 1) * n], self.windows[i * n * self.cap:(i + 1) * n * self.cap]
 
+    def _held_row(self, state) -> int | None:
+        """The list row whose lists ``state`` holds in this decoder; None if its lists are elsewhere or gone."""
+        kept = state.lists
+        return kept[1] if kept is not None and kept[0] is self and self.owner[kept[1]] is state else None
+
     def _ahead_row(self, state, S: int, batch: set[int]) -> tuple[int, int | None]:
         """select_ahead: (list row, length when its lists were selected, None if they were not) of a request at
         length ``S``; ``state.lists`` then names the row and no selection yet (``prepare`` sets it once placed)."""
-        kept = state.lists
-        if kept is not None and kept[0] is self and self.owner[kept[1]] is state:
-            r, selected = kept[1], kept[2]
+        r = self._held_row(state)
+        if r is not None:
+            selected = state.lists[2]
             selected = selected if selected is not None and selected < S else None
         else:
             r, selected = self._claim(state, batch), None
@@ -161,13 +167,11 @@ class PooledDecode:
         lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken)."""
         if self.every == 1 or state is None:
             return i, 1, S
-        kept = state.lists
-        if kept is not None and kept[0] is self and self.owner[kept[1]] is state:
-            if S - kept[2] < self.every:
-                return kept[1], 0, kept[2]
-            r = kept[1]
-        else:
+        r = self._held_row(state)
+        if r is None:
             r = self._claim(state, batch)
+        elif S - state.lists[2] < self.every:
+            return r, 0, state.lists[2]
         state.lists = (self, r, S)
         return r, 1, S
 
@@ -177,8 +181,7 @@ class PooledDecode:
         (``batch``: ids of the batch's states). Each state of the batch holds at most one row, so one is found."""
         live = self.manager.states
         for r, owner in enumerate(self.owner):
-            if owner is None or live.get(owner.row) is not owner or not (
-                    owner.lists and owner.lists[0] is self and owner.lists[1] == r):
+            if owner is None or live.get(owner.row) is not owner or self._held_row(owner) != r:
                 break
         else:
             r = next(r for r, owner in enumerate(self.owner) if id(owner) not in batch)
@@ -313,14 +316,14 @@ class PooledDecode:
                 self._select(q, k_buf, sparse_layer, req_to_token, scale)
             return self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
         out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
-        with self._beside(q, join=sparse_layer == self.last_layer):
+        with self._beside(q):
             self._select(q, k_buf, sparse_layer, req_to_token, scale)
         return out
 
     @contextlib.contextmanager
-    def _beside(self, q: torch.Tensor, join: bool):
-        """Work issued inside runs on the side stream once the step's stream reached this point; ``join``: the
-        step's stream waits for all of it after (the last sparse layer, so a captured graph ends joined)."""
+    def _beside(self, q: torch.Tensor):
+        """Work issued inside runs on the side stream once the step's stream reached this point; the step's stream
+        waits for it at ``join``."""
         if self.side is None:
             yield
             return
@@ -329,8 +332,15 @@ class PooledDecode:
         q.record_stream(self.side)   # the step's stream may reuse q's memory while the side stream still reads it
         with torch.cuda.stream(self.side):
             yield
-        if join:
-            main.wait_stream(self.side)
+        self.forked = True
+
+    def join(self) -> None:
+        """The step's stream waits for the selections issued beside it. Called once the model's forward is issued
+        (the backend wraps it), so the last layer's selection overlaps the final norm and the LM head, and a
+        captured graph ends joined."""
+        if self.forked:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self.forked = False
 
     def _select(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
         """The fresh rows' token lists of this layer (its retrieval heads'), from the pools."""

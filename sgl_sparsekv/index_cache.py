@@ -91,10 +91,11 @@ class IndexCache:
         return PackedIndex(truncate(ClusterIndex(**vars(packed.index)), entry.lengths, shared), packed.fine_scale,
                            packed.coarse_scale)
 
-    def add(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
-        """Cache a copy of the index over exactly ``units`` (replacing the entry of the same chain)."""
+    def add(self, units: list[int], lengths: torch.Tensor, packed: PackedIndex) -> None:
+        """Cache the packed index over exactly ``units`` (replacing the entry of the same chain); the entry keeps
+        its tensors, so the caller hands over ones nothing else writes (``ClusterIndex.pack`` makes such)."""
         units = chain(units)
-        if not len(units) or index.num_chunks != len(units):
+        if not len(units) or packed.num_chunks != len(units):
             return
         key = (int(units[-1]), len(units))
         self.store.retain(units)   # before dropping an entry of the same chain, so no unit goes in between
@@ -102,19 +103,19 @@ class IndexCache:
             self._evict(self._by_chain[key])
         eid = self._next
         self._next += 1
-        self.entries[eid] = CachedIndex(units, lengths.clone(), index.pack())
+        self.entries[eid] = CachedIndex(units, lengths.clone(), packed)
         self._by_chain[key] = eid
         self.bytes += self.entries[eid].index.nbytes()
         while len(self.entries) > 1 and (len(self.entries) > self.max_entries or self.bytes > self.max_bytes):
             self._evict(next(iter(self.entries)))
 
-    def put(self, units: list[int], lengths: torch.Tensor, index: ClusterIndex) -> None:
+    def put(self, units: list[int], lengths: torch.Tensor, packed: PackedIndex) -> None:
         """Cache the index of a finished request; drops the entries its chain extends."""
         units = chain(units)
         for eid in [e for e, ent in self.entries.items()
                     if len(ent.units) < len(units) and common_prefix(ent.units, units) == len(ent.units)]:
             self._evict(eid)
-        self.add(units, lengths, index)
+        self.add(units, lengths, packed)
 
     def _evict(self, eid: int) -> None:
         entry = self.entries.pop(eid)

@@ -279,7 +279,7 @@ class SparseKVManager:
         segs = state.segments
         cache = self.index_cache.put if finished else self.index_cache.add
         lengths = self.pools.lengths(*segs)
-        cache(state.units[:state.pooled_chunks], lengths, self.pools.export(*segs, lengths=lengths))
+        cache(state.units[:state.pooled_chunks], lengths, self.pools.export(*segs, lengths=lengths).pack())
         self.pools.free(state.pool)
         if state.shared is not None:
             self._release_shared(state.shared[0])
@@ -499,11 +499,12 @@ class SparseKVManager:
             keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
             t1 = time.perf_counter()
             c = self.cfg
-            ix = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
+            packed = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse,
+                                         c.kmeans_iters).pack()
             if seg is None:
                 self.stats["index_builds"] += 1
                 self.stats["build_chunks"] += len(state.units)
-                self.index_cache.add(state.units, lengths, ix)
+                self.index_cache.add(state.units, lengths, packed)   # loading below copies it into the pools
             else:
                 self.stats["index_extends"] += 1
                 self.stats["extend_chunks"] += len(state.units) - shared
@@ -512,10 +513,10 @@ class SparseKVManager:
             self.stats["build_cluster_s"] += t2 - t1
             self.stats["index_build_s"] += t2 - t0
         else:   # the whole prompt is the cached prefix: its own segment starts empty, for the grafts
-            ix = empty_index(Ls * H, d, self.device)
+            packed = empty_index(Ls * H, d, self.device).pack()
             t2 = time.perf_counter()
         n = len(state.units) - shared
-        state.pool = self.pools.load(ix.pack(), starts[shared:], lengths[shared:], room=max(64, n // 4))
+        state.pool = self.pools.load(packed, starts[shared:], lengths[shared:], room=max(64, n // 4))
         self.stats["build_load_s"] += time.perf_counter() - t2
         if state.pool is None:
             if seg is not None:

@@ -222,7 +222,7 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     index = build_index(_keys("random", 2, 12, 16, gen), lens, 2.0, 64, 5)
     one = index.pack().nbytes()   # the cache keeps centroids as the pools store them
     cache = IndexCache(store, max_bytes=int(2.5 * one))
-    cache.add(ids, lens, index)
+    cache.add(ids, lens, index.pack())
     assert all(int(store.refs[i]) == 3 for i in ids)  # slot + caller + cache
     # a request sharing the first 10 units adopts the index truncated to them, with valid bookkeeping; the entry
     # stays whole
@@ -238,7 +238,7 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     assert cache.find(ids[:5] + ids[6:]) is None  # shares too little
     # byte cap: older entries go, releasing their unit references
     for n in (11, 10):
-        cache.add(ids[:n], lens[:n], build_index(_keys("random", 2, n, 16, gen), lens[:n], 2.0, 64, 5))
+        cache.add(ids[:n], lens[:n], build_index(_keys("random", 2, n, 16, gen), lens[:n], 2.0, 64, 5).pack())
     assert len(cache.entries) == 2 and cache.nbytes() <= 2.5 * one
     assert int(store.refs[ids[11]]) == 2  # the evicted 12-unit entry released it
     cache.clear()

@@ -6,6 +6,7 @@ the same token list and the same attention output.
 """
 
 import random
+import types
 
 import pytest
 import torch
@@ -427,6 +428,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
     twin selects with this step's query."""
     from sgl_sparsekv.config import SparseKVConfig
+    from sgl_sparsekv.patches.backend import join_after_forward
 
     ahead = every == "ahead"
     every = 1 if ahead else every
@@ -489,17 +491,24 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
                 for dst, src in zip(lists[l - 1], dec._layer_lists(l - 1)):
                     dst.copy_(src)
 
+    # the layers stand for the model, whose forward the backend wraps to join the side stream once it is issued
+    model = torch.nn.Module()
+    model.forward = run_layers
+    join_after_forward(model, types.SimpleNamespace(active=dec))
+
     def sorted_lists(lens, windows):
         w = windows[:n * cap].view(n, cap).long()
         return lens[:n], torch.where(torch.arange(cap, device=dev) < lens[:n, None], w, 1 << 40).sort(1).values
 
     step()
-    run_layers()                                 # warm up (Triton compiles) outside the graph
+    model.forward()                              # warm up (Triton compiles) outside the graph
     for l in range(1, layers):                   # the twin too: with select_every its lists outlive the step
         twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
+    twin.join()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run_layers()
+        model.forward()
+    assert not dec.forked
     direct = (dec.direct[:3], dec.rows[:3], dec.seq[:3], r2t, dec.tail_from[:3])
     checked, near_ties = 0, []
     for it in range(90):   # grafts wait for the recent window's edge (64 tokens)
@@ -513,6 +522,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
                                               direct=direct, list_rows=dec.list_rows[:3])
             assert torch.allclose(outs[l - 1][:3].float(), own.float(), atol=2e-2, rtol=2e-2), (it, l)
             twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
+            twin.join()
             assert torch.equal(twin.list_rows[:3], dec.list_rows[:3]) and torch.equal(twin.fresh[:3], dec.fresh[:3])
             left = dec._layer_lists(l - 1) if ahead else (got_lens, got)   # the lists the step wrote
             (a_len, a), (b_len, b) = sorted_lists(*left), sorted_lists(*twin._layer_lists(l - 1))
