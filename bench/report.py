@@ -708,6 +708,7 @@ def main(argv=None):
                      ("retrieval_heads_qwen.json", retrieval_heads_table),
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_ahead.json", methods_serving_table),
+                     ("gpu_serving_h200_ahead_join.json", methods_serving_table),
                      ("gpu_serving_h200_valuecut.json", serving_table),
                      ("gpu_serving_h200_tpot_valuecut.json", serving_table),
                      ("cut_value_steps_h200.json", cut_probe_table),
