@@ -171,6 +171,14 @@ def masks_selected_at(cfg: SparseKVConfig, src: dict, ids, layers, table) -> dic
     return out
 
 
+def with_successors(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """[H, seq] bool: the mask and the ``k`` positions after each of its positions."""
+    out = mask.clone()
+    for j in range(1, k + 1):
+        out[:, j:] |= mask[:, :-j]
+    return out
+
+
 def window(cfg: SparseKVConfig, seq: int) -> tuple[int, int, int]:
     """(sink tokens, recent window, budget past both) of a step over ``seq`` tokens."""
     sink = min(cfg.sink_tokens, seq)
@@ -327,8 +335,10 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
     elif variant in REUSES:
         masks = reused_masks(cfg, *REUSES[variant], ids, layers, positions, table)
-    elif variant == "lychee-ahead":
+    elif variant == "lychee-ahead" or variant in NEXTS:
         masks = masks_selected_at(cfg, {t: t - 1 for t in positions}, ids, layers, table)
+        if variant in NEXTS:
+            masks = {key: with_successors(m, NEXTS[variant]) for key, m in masks.items()}
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
@@ -495,6 +505,10 @@ RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
 # lists reused across decode steps: (select_every, drift threshold of selection_steps, 0 = none)
 REUSES = {"lychee-every-2": (2, 0.0), "lychee-every-4": (4, 0.0), "lychee-every-16-drift-0.8": (16, 0.8)}
 
+# select_ahead's lists with each selected token's next k tokens too (copying heads move one token per step; what the
+# step before selected misses the token after it)
+NEXTS = {"lychee-ahead-next-1": 1, "lychee-ahead-next-2": 2, "lychee-ahead-next-4": 4}
+
 # the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
 ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}
 
@@ -520,6 +534,7 @@ VARIANTS = {
     "lychee-previous-query": {},
     # selection one step ahead as served (select_ahead): the step before's own selection, and the token decoded since
     "lychee-ahead": {},
+    **{v: {} for v in NEXTS},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},
     **{v: {} for v in RERANKS},

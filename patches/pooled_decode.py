@@ -23,7 +23,8 @@ batch row and every row is fresh.
 With ``select_ahead`` a request keeps its list row too, and each sparse layer runs in the other order: the attention
 reads the lists the request selected at the step before plus the token decoded since, then selection and emission
 write the next step's lists with this step's query, on a second CUDA stream that forks after the attention and joins
-the step's stream at the last sparse layer, so only the last layer's selection stays on the step's critical path. A
+the step's stream once the model's forward is issued (``join``; the backend wraps the model's forward), so no
+selection stays on the step's critical path: the last layer's overlaps the final norm and the LM head. A
 request without lists from the step before (its first decode step, or one after a step that could not select)
 attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
 """
