@@ -335,10 +335,12 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         masks = reranked_masks(cfg, RERANKS[variant], ids, layers, positions, table)
     elif variant in REUSES:
         masks = reused_masks(cfg, *REUSES[variant], ids, layers, positions, table)
-    elif variant == "lychee-ahead" or variant in NEXTS:
+    elif variant in NEXTS:
+        base, k = NEXTS[variant]
+        masks = {key: with_successors(m, k)
+                 for key, m in per_query(cfg, ids, layers, positions, table, base, budgets)[1].items()}
+    elif variant == "lychee-ahead":
         masks = masks_selected_at(cfg, {t: t - 1 for t in positions}, ids, layers, table)
-        if variant in NEXTS:
-            masks = {key: with_successors(m, NEXTS[variant]) for key, m in masks.items()}
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
     else:
@@ -505,9 +507,9 @@ RERANKS = {"lychee-rerank-2": 2, "lychee-rerank-4": 4}
 # lists reused across decode steps: (select_every, drift threshold of selection_steps, 0 = none)
 REUSES = {"lychee-every-2": (2, 0.0), "lychee-every-4": (4, 0.0), "lychee-every-16-drift-0.8": (16, 0.8)}
 
-# select_ahead's lists with each selected token's next k tokens too (copying heads move one token per step; what the
-# step before selected misses the token after it)
-NEXTS = {"lychee-ahead-next-1": 1, "lychee-ahead-next-2": 2, "lychee-ahead-next-4": 4}
+# a variant's masks with each selected token's next k tokens too (copying heads move one token per step: what
+# select_ahead's step before selected misses the token after it)
+NEXTS = {f"{base}-next-{k}": (base, k) for base in ("lychee", "lychee-ahead") for k in (1, 2, 4)}
 
 # the ceilings at the same read (a variant's name ends with one): the best tokens, or its chunks taken whole (True)
 ORACLES = {"-oracle-tokens": False, "-oracle-chunks": True}

@@ -677,6 +677,7 @@ def main(argv=None):
                      ("attention_recall_qwen_ahead_16k.json", merged_recall_table),
                      ("attention_recall_qwen_ahead_budgets_16k.json", merged_recall_table),
                      ("attention_recall_qwen_ahead_next_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_next_16k.json", merged_recall_table),
                      ("attention_recall_qwen_previous_query_16k.json", merged_recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_carry_4k.json", merged_recall_table),

@@ -344,14 +344,14 @@ def test_carried_masks_keep_what_the_previous_step_read():
 
 
 def test_successor_masks_add_the_next_tokens_of_each_selected_one():
-    """``lychee-ahead-next-k`` (bench.attention_recall): select_ahead's mask plus the k positions after each of its
-    positions, against a loop over the positions."""
+    """``lychee-next-k``, ``lychee-ahead-next-k`` (bench.attention_recall): a variant's mask plus the k positions
+    after each of its positions, against a loop over the positions."""
     from bench.attention_recall import NEXTS, with_successors
 
     gen = torch.Generator().manual_seed(0)
     mask = torch.rand(3, 40, generator=gen) < 0.1
     mask[0, -1] = mask[1, 0] = True   # the last position has no successor to add; the first is one
-    for k in sorted(set(NEXTS.values())):
+    for k in sorted({k for _, k in NEXTS.values()}):
         want = mask.clone()
         for h, p in mask.nonzero().tolist():
             want[h, p:p + k + 1] = True
