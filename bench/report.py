@@ -300,13 +300,18 @@ def methods_serving_table(path: Path) -> str:
     r = json.loads(path.read_text())
     methods = r["settings"]["methods"]
     tpot = {m: {c: v["tpot_ms"] for c, v in r[m].get("tpot_bs1", {}).items()} for m in methods}
-    short = tpot["dense"]["4096"]
-    rows = [(f"{ctx} tokens", *(f"{tpot[m][ctx]:.2f} ({tpot[m][ctx] / short:.2f}x)" for m in methods))
-            for ctx in tpot["dense"]]
     where = (f"Serving, {r['device']}, {r['model']}, {r['settings']['backend']} backend for both (lychee wraps it), "
              f"CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: {r['note']} "
              f"(`{path.relative_to(RESULTS.parent.parent)}`)")
-    out = [md_table(where, ["batch 1, cached prompt", *(f"{m} TPOT ms (over dense at 4K)" for m in methods)], rows)]
+    out = []
+    if tpot["dense"]:
+        short = tpot["dense"]["4096"]
+        rows = [(f"{ctx} tokens", *(f"{tpot[m][ctx]:.2f} ({tpot[m][ctx] / short:.2f}x)" for m in methods))
+                for ctx in tpot["dense"]]
+        out.append(md_table(where, ["batch 1, cached prompt", *(f"{m} TPOT ms (over dense at 4K)" for m in methods)],
+                            rows))
+    else:
+        out.append(where)
     d = r["dense"]
     for key, label in WORKLOADS:
         if key not in d:
@@ -711,6 +716,7 @@ def main(argv=None):
                      ("retrieval_heads_smollm2.json", retrieval_heads_table),
                      ("gpu_serving_h200_ahead.json", methods_serving_table),
                      ("gpu_serving_h200_ahead_join.json", methods_serving_table),
+                     ("gpu_serving_h200_ahead_shared_join.json", methods_serving_table),
                      ("gpu_serving_h200_valuecut.json", serving_table),
                      ("gpu_serving_h200_tpot_valuecut.json", serving_table),
                      ("cut_value_steps_h200.json", cut_probe_table),
