@@ -1,0 +1,231 @@
+"""Answer-level fidelity on the CPU without generation: the served decode path inside a real model's forward,
+teacher-forced over each seeded task sample's expected answer.
+
+    python -m bench.answer_margin --model-dir models/qwen --task niah_multivalue --length 16000 --seeds 6 16 \
+        --methods off lychee lychee-ahead --out bench/results/answer_margin_qwen_mv_16k.json
+
+The prompt is prefilled densely, as served (sparse-kv decodes only); its keys fill a KV pool and a
+``SparseKVManager`` builds the prompt's index from them. Then every answer token but the last is one decode step
+whose sparse layers attend through ``PooledDecode`` (the kernels' torch twins on the CPU) exactly as in serving:
+lists selected per step with that step's own queries, decode chunks cut and grafted, ``select_ahead`` attending to
+the step before's lists (its first step to the whole sequence). Errors compound through the layers as they do in
+serving, which attention-mass recall over dense Q/K/V (``bench.attention_recall``) cannot show.
+
+Per sample and method, over the answer tokens that decode steps produce (all but the first, which the dense
+prefill produces for every method): their log-probability, the smallest margin of their logits over the best other
+token (below 0: greedy decoding leaves the expected answer there), and whether every one is the argmax. The answer is the task's expected values
+joined by ", " (``bench.attention_recall.samples``), not necessarily the wording dense would choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+
+from bench.attention_recall import load
+from bench.fidelity import METHODS
+from sgl_sparsekv.chunking import BoundaryTable
+from sgl_sparsekv.config import SparseKVConfig
+
+
+def config(method: str, budget: int) -> tuple[SparseKVConfig, int, bool]:
+    """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, own first
+    step). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with their own
+    step's query, as lychee does, and the others one step ahead; ``+first`` lets the first decode step select with
+    its own query in every layer instead of attending to the whole sequence."""
+    name, *extra = method.split("+")
+    base, overrides = METHODS[name]
+    cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
+    own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
+    if (extra and not cfg.select_ahead) or set(extra) - {"first", f"own-{own}"}:
+        raise ValueError(f"{method}: +own-N and +first apply to a select_ahead method")
+    return cfg, own, "first" in extra
+
+
+class ServedAttention:
+    """A transformers attention function: dense over the cache for the prompt and for dense layers; a decode
+    step's sparse layers attend as the plugin's backend serves them, over KV pools (slot = position + 1) into which
+    the new token's key and value are written first, as SGLang writes them before its attention backend runs:
+    lychee through a ``PooledDecode`` (``decoders``: per layer), quest through the manager's page selection
+    (``plan``: the step's)."""
+
+    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None):
+        self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
+        self.plan = None
+        self.first = first   # (with +first) the decoder whose output every layer takes at the first decode step
+        self.step = 0
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        from sgl_sparsekv.attend import dense_decode, sparse_decode
+
+        l, m = module.layer_idx, self.manager
+        if query.shape[2] > 1 or m is None or not m.is_sparse_layer(l):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        t = key.shape[2] - 1
+        self.k_pool[l][t + 1] = key[0, :, t]
+        self.v_pool[l][t + 1] = value[0, :, t]
+        q = query[0, :, 0]                                                     # [Hq, d]
+        if self.decoders:
+            args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
+            out = self.decoders[l].attend(q[None], *args)[0]
+            if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
+                out = self.first.attend(q[None], *args)[0]
+        else:
+            m.pool_layer(l, self.k_pool[l], self.plan)
+            mask = m.select(l, 0, q.view(key.shape[1], -1, q.shape[-1]))
+            slots = self.r2t[0, :t + 1]
+            out = (dense_decode(q, self.k_pool[l], self.v_pool[l], slots, scaling) if mask is None
+                   else sparse_decode(q, self.k_pool[l], self.v_pool[l], slots, mask, scaling))
+        return out[None, None], None
+
+
+def answer_scores(logits: torch.Tensor, answer: list[int]) -> dict:
+    """logits [A, vocab] predicting the answer's A tokens -> over the tokens that decode steps produce (all but the
+    first, which the dense prefill produces for every method): their log-probability, smallest margin over the
+    best other token and its index, whether each is the argmax; and the first token's margin."""
+    gold = torch.as_tensor(answer)[:, None]
+    margin = logits.gather(1, gold)[:, 0] - logits.scatter(1, gold, float("-inf")).amax(1)
+    logp = torch.log_softmax(logits.float(), -1).gather(1, gold)[1:, 0]
+    below = (margin[1:] < 0).nonzero()
+    return {"logprob": round(float(logp.sum()), 4), "min_margin": round(float(margin[1:].min()), 4),
+            "worst_token": int(margin[1:].argmin()) + 1, "first_below": int(below[0, 0]) + 1 if len(below) else None,
+            "argmax": not len(below), "first_token_margin": round(float(margin[0]), 4)}
+
+
+def decode(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, prefill, steps: int,
+           pick) -> tuple[list, dict]:
+    """One method (:func:`config`'s pair) over one sample: up to ``steps`` decode steps after ``prefill`` = (the
+    dense cache after the prompt, the prompt's last logits); ``pick(i, logits)`` gives step i's input token (None:
+    stop). -> (the logits of every position from the prompt's last on, what the steps read: {"kv_read"} on the
+    pooled path)."""
+    import copy
+    import dataclasses
+
+    from transformers.modeling_utils import AttentionInterface
+
+    from sgl_sparsekv.manager import SparseKVManager
+    from sgl_sparsekv.patches.pooled_decode import PooledDecode
+
+    cfg, own, first = cfg
+    cache = copy.deepcopy(prefill[0])
+    P, n = len(prompt), len(prompt) + steps
+    toks = [int(x) for x in prompt]
+    k_pool = v_pool = r2t = None
+    runs = []   # (manager, decoder or None), each over the same KV pools
+    if cfg.enabled:
+        keys = [(layer.keys[0], layer.values[0]) for layer in cache.layers]      # [H, P, d] each
+        L, (H, _, d) = len(keys), keys[0][0].shape
+        k_pool, v_pool = ([torch.cat([torch.zeros(1, H, d), x.transpose(0, 1), torch.zeros(n - P, H, d)])
+                           for x in kv] for kv in zip(*keys))
+        r2t = torch.zeros(1, n + 1, dtype=torch.int32)
+        r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32)
+        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first else []):
+            m = SparseKVManager(c, L, H, d, n + 1, device="cpu", boundary_table=table)
+            plan = m.prepare_extend([0], [0], [P], r2t, [toks])
+            for l in range(L):   # quest: page summaries
+                m.pool_layer(l, k_pool[l], plan)
+            m.finish_extend([0], [True], r2t, lambda l: k_pool[l])
+            runs.append((m, PooledDecode(m, max_bs=1, q_heads=model.config.num_attention_heads)
+                         if m.pools is not None else None))
+    lychee = [dec for _, dec in runs if dec is not None]
+    decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
+    served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
+                             lychee[-1] if first else None)
+    AttentionInterface.register("served", served)
+    model.config._attn_implementation = "served"
+    logits = [prefill[1]]
+    with torch.no_grad():
+        for i in range(steps):
+            nxt = pick(i, logits[-1])
+            if nxt is None:
+                break
+            toks.append(int(nxt))
+            for m, dec in runs:
+                if dec is not None:
+                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l])
+                else:
+                    served.plan = m.prepare_decode([0], [len(toks)], r2t, [toks])
+            served.step = i
+            logits.append(model(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1])
+    read = {}
+    if lychee:   # the pooled path counts what its steps read (with +own-N: the ahead layers')
+        st = runs[0][0].stats
+        read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
+    return logits, read
+
+
+def teacher_forced(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, answer: list[int], prefill) -> dict:
+    """The expected answer's scores (:func:`answer_scores`) with each answer token fed as the next step's input."""
+    logits, read = decode(model, table, cfg, prompt, prefill, len(answer) - 1, lambda i, _: answer[i])
+    return {**answer_scores(torch.stack(logits), answer), **read}
+
+
+def greedy(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, prefill, max_tokens: int, eos: set[int]) -> dict:
+    """Greedy generation of up to ``max_tokens`` (as the fidelity harness's server does at temperature 0) -> the
+    token ids, and per token the margin of its logit over the runner-up's."""
+    def pick(i, lg):
+        return None if int(lg.argmax()) in eos else int(lg.argmax())
+
+    logits, read = decode(model, table, cfg, prompt, prefill, max_tokens - 1, pick)
+    top = torch.stack(logits).topk(2, dim=-1).values
+    ids = [int(lg.argmax()) for lg in logits]
+    n = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+    return {"ids": ids[:n], "margins": [round(float(x), 3) for x in (top[:n, 0] - top[:n, 1])], **read}
+
+
+def prefill(model, prompt: np.ndarray):
+    """(dense cache over the prompt, logits of its last position)."""
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        out = model(torch.as_tensor(prompt)[None], use_cache=True, logits_to_keep=1)
+    return out.past_key_values, out.logits[0, -1]
+
+
+def main(argv=None):
+    from bench.tasks import make
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default="models/qwen")
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--length", type=int, default=16000)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--methods", nargs="+", default=["off", "lychee", "lychee-ahead"])
+    ap.add_argument("--generate", type=int, default=0, metavar="N", help="also generate up to N tokens greedily "
+                    "per method and score them as the fidelity harness does (24 there)")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    tok, model = load(a.model_dir, "cpu")
+    table = BoundaryTable.from_tokenizer(tok)
+    eos = {tok.eos_token_id}
+    ids = model.generation_config.eos_token_id   # one id or a list
+    eos.update(ids if isinstance(ids, list) else [ids])
+    eos.discard(None)
+    cfgs = {m: config(m, a.budget) for m in a.methods}
+    res = {"model": a.model_dir, "device": "CPU", "task": a.task, "length": a.length, "budget": a.budget,
+           "methods": a.methods, "samples": []}
+    for seed in a.seeds:
+        s = make(a.task, tok, a.length, seed)
+        prompt = np.asarray(tok(s.prompt).input_ids)
+        answer = tok.encode(" " + ", ".join(s.expected), add_special_tokens=False)
+        pre = prefill(model, prompt)
+        row = {"seed": seed, "tokens": len(prompt), "answer_tokens": len(answer), "scores": {}}
+        for m, cfg in cfgs.items():
+            row["scores"][m] = teacher_forced(model, table, cfg, prompt, answer, pre)
+            if a.generate:
+                out = greedy(model, table, cfg, prompt, pre, a.generate, eos)
+                text = tok.decode(out["ids"])
+                row["scores"][m]["generated"] = {"text": text, "correct": s.score(text), "margins": out["margins"]}
+            print(a.task, seed, m, row["scores"][m], flush=True)
+        res["samples"].append(row)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

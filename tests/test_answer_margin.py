@@ -1,0 +1,53 @@
+"""bench.answer_margin: the served decode path inside a real model's forward (SmolLM2 on the CPU)."""
+
+import numpy as np
+import pytest
+
+from bench.answer_margin import config, greedy, prefill, teacher_forced
+from bench.attention_recall import load
+from bench.tasks import make
+from sgl_sparsekv.chunking import BoundaryTable
+
+
+@pytest.fixture(scope="module")
+def sample(smollm2_dir):
+    tok, model = load(smollm2_dir)
+    s = make("niah_multivalue", tok, 1200, 0)
+    prompt = np.asarray(tok(s.prompt).input_ids)
+    answer = tok.encode(" " + ", ".join(s.expected), add_special_tokens=False)
+    return model, BoundaryTable.from_tokenizer(tok), prompt, answer, prefill(model, prompt)
+
+
+def test_served_path_within_the_budget_is_dense(sample):
+    """A budget past the whole sequence attends to every token through the served path (pools written per step,
+    slot = position + 1): the answer's scores and the greedy tokens are dense's, for lychee, select_ahead and quest
+    alike."""
+    model, table, prompt, answer, pre = sample
+    dense = teacher_forced(model, table, config("off", 0), prompt, answer, pre)
+    dense_ids = greedy(model, table, config("off", 0), prompt, pre, 8, set())["ids"]
+    assert len(answer) > 5 and len(dense_ids) == 8
+    for method in ("lychee", "lychee-ahead", "quest"):
+        got = teacher_forced(model, table, config(method, 4096), prompt, answer, pre)
+        assert got["logprob"] == pytest.approx(dense["logprob"], abs=1e-3), method
+        assert got["min_margin"] == pytest.approx(dense["min_margin"], abs=1e-3), method
+        assert greedy(model, table, config(method, 4096), prompt, pre, 8, set())["ids"] == dense_ids, method
+
+
+def test_sparse_budget_changes_the_answer_scores(sample):
+    """Past the budget the decode steps really attend sparsely: lychee reads a fraction of the KV and its answer
+    scores move away from dense's; select_ahead, whose first step reads everything and the rest the step before's
+    lists, moves differently from lychee."""
+    model, table, prompt, answer, pre = sample
+    dense = teacher_forced(model, table, config("off", 0), prompt, answer, pre)
+    own = teacher_forced(model, table, config("lychee", 160), prompt, answer, pre)
+    ahead = teacher_forced(model, table, config("lychee-ahead", 160), prompt, answer, pre)
+    assert own["kv_read"] < 0.3 and own["kv_read"] < ahead["kv_read"] < 1
+    assert own["logprob"] != pytest.approx(dense["logprob"], abs=1e-2)
+    assert ahead["logprob"] != pytest.approx(own["logprob"], abs=1e-3)
+    assert own["first_token_margin"] == dense["first_token_margin"]   # the prefill's token: dense for all
+    # analysis: select_ahead whose every layer selects with its own query is lychee
+    every = teacher_forced(model, table, config(f"lychee-ahead+own-{model.config.num_hidden_layers}", 160), prompt,
+                           answer, pre)
+    assert every["logprob"] == pytest.approx(own["logprob"], abs=1e-4)
+    some = teacher_forced(model, table, config("lychee-ahead+own-8", 160), prompt, answer, pre)
+    assert some["logprob"] not in (pytest.approx(own["logprob"], abs=1e-4), pytest.approx(ahead["logprob"], abs=1e-4))
