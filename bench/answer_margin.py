@@ -31,18 +31,23 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 
 
-def config(method: str, budget: int) -> tuple[SparseKVConfig, int, bool]:
-    """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, own first
-    step). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with their own
-    step's query, as lychee does, and the others one step ahead; ``+first`` lets the first decode step select with
-    its own query in every layer instead of attending to the whole sequence."""
+FIRST_STEP = ("first", "prompt")
+
+
+def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
+    """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, how the first
+    decode step selects). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with
+    their own step's query, as lychee does, and the others one step ahead; instead of attending to the whole
+    sequence, the first decode step attends in every layer to lists selected with its own query (``+first``) or
+    with the last prompt token's (``+prompt``: what a selection at the end of the prefill would give it)."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
-    if (extra and not cfg.select_ahead) or set(extra) - {"first", f"own-{own}"}:
-        raise ValueError(f"{method}: +own-N and +first apply to a select_ahead method")
-    return cfg, own, "first" in extra
+    first = [e for e in extra if e in FIRST_STEP]
+    if (extra and not cfg.select_ahead) or set(extra) - {*first, f"own-{own}"} or len(first) > 1:
+        raise ValueError(f"{method}: +own-N and one of +first / +prompt apply to a select_ahead method")
+    return cfg, own, first[0] if first else None
 
 
 class ServedAttention:
@@ -52,10 +57,12 @@ class ServedAttention:
     lychee through a ``PooledDecode`` (``decoders``: per layer), quest through the manager's page selection
     (``plan``: the step's)."""
 
-    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None):
+    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None):
         self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
         self.plan = None
-        self.first = first   # (with +first) the decoder whose output every layer takes at the first decode step
+        # +first / +prompt: the decoder whose output every layer takes at the first decode step; +prompt: the
+        # last prompt token's query per layer, which selects its lists there
+        self.first, self.prompt_q = first, prompt_q
         self.step = 0
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -74,7 +81,11 @@ class ServedAttention:
             args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
             out = self.decoders[l].attend(q[None], *args)[0]
             if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
-                out = self.first.attend(q[None], *args)[0]
+                if self.prompt_q is None:
+                    out = self.first.attend(q[None], *args)[0]
+                else:
+                    self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
+                    out = self.first._attention(q[None], *args)[0]
         else:
             m.pool_layer(l, self.k_pool[l], self.plan)
             mask = m.select(l, 0, q.view(key.shape[1], -1, q.shape[-1]))
@@ -97,7 +108,7 @@ def answer_scores(logits: torch.Tensor, answer: list[int]) -> dict:
             "argmax": not len(below), "first_token_margin": round(float(margin[0]), 4)}
 
 
-def decode(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, prefill, steps: int,
+def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, prefill, steps: int,
            pick) -> tuple[list, dict]:
     """One method (:func:`config`'s pair) over one sample: up to ``steps`` decode steps after ``prefill`` = (the
     dense cache after the prompt, the prompt's last logits); ``pick(i, logits)`` gives step i's input token (None:
@@ -135,7 +146,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarr
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
-                             lychee[-1] if first else None)
+                             lychee[-1] if first else None, prefill[2] if first == "prompt" else None)
     AttentionInterface.register("served", served)
     model.config._attn_implementation = "served"
     logits = [prefill[1]]
@@ -153,19 +164,19 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarr
             served.step = i
             logits.append(model(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1])
     read = {}
-    if lychee:   # the pooled path counts what its steps read (with +own-N: the ahead layers')
+    if lychee and not (own or first):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
     return logits, read
 
 
-def teacher_forced(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, answer: list[int], prefill) -> dict:
+def teacher_forced(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, answer: list[int], prefill) -> dict:
     """The expected answer's scores (:func:`answer_scores`) with each answer token fed as the next step's input."""
     logits, read = decode(model, table, cfg, prompt, prefill, len(answer) - 1, lambda i, _: answer[i])
     return {**answer_scores(torch.stack(logits), answer), **read}
 
 
-def greedy(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarray, prefill, max_tokens: int, eos: set[int]) -> dict:
+def greedy(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, prefill, max_tokens: int, eos: set[int]) -> dict:
     """Greedy generation of up to ``max_tokens`` (as the fidelity harness's server does at temperature 0) -> the
     token ids, and per token the margin of its logit over the runner-up's."""
     def pick(i, lg):
@@ -179,11 +190,21 @@ def greedy(model, table, cfg: tuple[SparseKVConfig, int, bool], prompt: np.ndarr
 
 
 def prefill(model, prompt: np.ndarray):
-    """(dense cache over the prompt, logits of its last position)."""
-    model.config._attn_implementation = "sdpa"
+    """(dense cache over the prompt, logits of its last position, each layer's query there [Hq, d])."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    last_q = {}
+
+    def keep_last_query(module, query, *args, **kwargs):
+        last_q[module.layer_idx] = query[0, :, -1].clone()
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("prefill", keep_last_query)
+    model.config._attn_implementation = "prefill"
     with torch.no_grad():
         out = model(torch.as_tensor(prompt)[None], use_cache=True, logits_to_keep=1)
-    return out.past_key_values, out.logits[0, -1]
+    return out.past_key_values, out.logits[0, -1], last_q
 
 
 def main(argv=None):

@@ -20,13 +20,13 @@ def sample(smollm2_dir):
 
 def test_served_path_within_the_budget_is_dense(sample):
     """A budget past the whole sequence attends to every token through the served path (pools written per step,
-    slot = position + 1): the answer's scores and the greedy tokens are dense's, for lychee, select_ahead and quest
-    alike."""
+    slot = position + 1): the answer's scores and the greedy tokens are dense's, for lychee, select_ahead (with
+    its first step selected by its own query or the last prompt token's too) and quest alike."""
     model, table, prompt, answer, pre = sample
     dense = teacher_forced(model, table, config("off", 0), prompt, answer, pre)
     dense_ids = greedy(model, table, config("off", 0), prompt, pre, 8, set())["ids"]
     assert len(answer) > 5 and len(dense_ids) == 8
-    for method in ("lychee", "lychee-ahead", "quest"):
+    for method in ("lychee", "lychee-ahead", "lychee-ahead+first", "lychee-ahead+prompt", "quest"):
         got = teacher_forced(model, table, config(method, 4096), prompt, answer, pre)
         assert got["logprob"] == pytest.approx(dense["logprob"], abs=1e-3), method
         assert got["min_margin"] == pytest.approx(dense["min_margin"], abs=1e-3), method
