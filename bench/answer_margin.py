@@ -1,8 +1,8 @@
-"""Answer-level fidelity on the CPU without generation: the served decode path inside a real model's forward,
-teacher-forced over each seeded task sample's expected answer.
+"""Answer-level fidelity on the CPU without a server: the served decode path inside a real model's forward,
+teacher-forced over each seeded task sample's expected answer, and optionally generating greedily.
 
-    python -m bench.answer_margin --model-dir models/qwen --task niah_multivalue --length 16000 --seeds 6 16 \
-        --methods off lychee lychee-ahead --out bench/results/answer_margin_qwen_mv_16k.json
+    python -m bench.answer_margin --model-dir models/qwen --task niah_multivalue --length 16000 --seeds 6 31 \
+        --methods off lychee lychee-ahead --generate 24 --out bench/results/answer_margin_qwen_multivalue_16k.json
 
 The prompt is prefilled densely, as served (sparse-kv decodes only); its keys fill a KV pool and a
 ``SparseKVManager`` builds the prompt's index from them. Then every answer token but the last is one decode step
@@ -13,8 +13,9 @@ serving, which attention-mass recall over dense Q/K/V (``bench.attention_recall`
 
 Per sample and method, over the answer tokens that decode steps produce (all but the first, which the dense
 prefill produces for every method): their log-probability, the smallest margin of their logits over the best other
-token (below 0: greedy decoding leaves the expected answer there), and whether every one is the argmax. The answer is the task's expected values
-joined by ", " (``bench.attention_recall.samples``), not necessarily the wording dense would choose.
+token (below 0: greedy decoding leaves the expected answer there), and whether every one is the argmax. The answer
+is the task's expected values joined by ", " (``bench.attention_recall.samples``), not necessarily the wording
+dense would choose; ``--generate N`` also scores each method's own greedy answer as the fidelity harness does.
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def answer_scores(logits: torch.Tensor, answer: list[int]) -> dict:
 
 def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, prefill, steps: int,
            pick) -> tuple[list, dict]:
-    """One method (:func:`config`'s pair) over one sample: up to ``steps`` decode steps after ``prefill`` = (the
-    dense cache after the prompt, the prompt's last logits); ``pick(i, logits)`` gives step i's input token (None:
-    stop). -> (the logits of every position from the prompt's last on, what the steps read: {"kv_read"} on the
-    pooled path)."""
+    """One method (:func:`config`'s triple) over one sample: up to ``steps`` decode steps after ``prefill`` (see
+    :func:`prefill`); ``pick(i, logits)`` gives step i's input token (None: stop). -> (the logits of every position
+    from the prompt's last on, what the steps read: {"kv_read"} on the pooled path)."""
     import copy
     import dataclasses
 
@@ -170,13 +170,15 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
     return logits, read
 
 
-def teacher_forced(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, answer: list[int], prefill) -> dict:
+def teacher_forced(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, answer: list[int],
+                   prefill) -> dict:
     """The expected answer's scores (:func:`answer_scores`) with each answer token fed as the next step's input."""
     logits, read = decode(model, table, cfg, prompt, prefill, len(answer) - 1, lambda i, _: answer[i])
     return {**answer_scores(torch.stack(logits), answer), **read}
 
 
-def greedy(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, prefill, max_tokens: int, eos: set[int]) -> dict:
+def greedy(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np.ndarray, prefill, max_tokens: int,
+           eos: set[int]) -> dict:
     """Greedy generation of up to ``max_tokens`` (as the fidelity harness's server does at temperature 0) -> the
     token ids, and per token the margin of its logit over the runner-up's."""
     def pick(i, lg):
