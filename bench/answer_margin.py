@@ -8,7 +8,7 @@ The prompt is prefilled densely, as served (sparse-kv decodes only); its keys fi
 ``SparseKVManager`` builds the prompt's index from them. Then every answer token but the last is one decode step
 whose sparse layers attend through ``PooledDecode`` (the kernels' torch twins on the CPU) exactly as in serving:
 lists selected per step with that step's own queries, decode chunks cut and grafted, ``select_ahead`` attending to
-the step before's lists (its first step to those the last prompt token's query selected). Errors compound through the layers as they do in
+the step before's lists (its first step to the whole sequence). Errors compound through the layers as they do in
 serving, which attention-mass recall over dense Q/K/V (``bench.attention_recall``) cannot show.
 
 Per sample and method, over the answer tokens that decode steps produce (all but the first, which the dense
@@ -32,22 +32,22 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 
 
-FIRST_STEP = ("first", "dense-first")
+FIRST_STEP = ("first", "prompt")
 
 
 def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
     """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, how the first
     decode step selects). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with
-    their own step's query, as lychee does, and the others one step ahead; the first decode step attends in every
-    layer to lists selected with its own query (``+first``) instead of the last prompt token's, or to the whole
-    sequence (``+dense-first``: select_ahead before its prefill selected, bench/results up to 53f7b96)."""
+    their own step's query, as lychee does, and the others one step ahead; instead of attending to the whole
+    sequence, the first decode step attends in every layer to lists selected with its own query (``+first``) or
+    with the last prompt token's (``+prompt``: what a selection at the end of the prefill would give it)."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
     first = [e for e in extra if e in FIRST_STEP]
     if (extra and not cfg.select_ahead) or set(extra) - {*first, f"own-{own}"} or len(first) > 1:
-        raise ValueError(f"{method}: +own-N and one of +first / +dense-first apply to a select_ahead method")
+        raise ValueError(f"{method}: +own-N and one of +first / +prompt apply to a select_ahead method")
     return cfg, own, first[0] if first else None
 
 
@@ -58,10 +58,12 @@ class ServedAttention:
     lychee through a ``PooledDecode`` (``decoders``: per layer), quest through the manager's page selection
     (``plan``: the step's)."""
 
-    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None):
+    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None):
         self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
         self.plan = None
-        self.first = first   # +first: the decoder whose output every layer takes at the first decode step
+        # +first / +prompt: the decoder whose output every layer takes at the first decode step; +prompt: the
+        # last prompt token's query per layer, which selects its lists there
+        self.first, self.prompt_q = first, prompt_q
         self.step = 0
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -80,7 +82,11 @@ class ServedAttention:
             args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
             out = self.decoders[l].attend(q[None], *args)[0]
             if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
-                out = self.first.attend(q[None], *args)[0]
+                if self.prompt_q is None:
+                    out = self.first.attend(q[None], *args)[0]
+                else:
+                    self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
+                    out = self.first._attention(q[None], *args)[0]
         else:
             m.pool_layer(l, self.k_pool[l], self.plan)
             mask = m.select(l, 0, q.view(key.shape[1], -1, q.shape[-1]))
@@ -129,21 +135,18 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                            for x in kv] for kv in zip(*keys))
         r2t = torch.zeros(1, n + 1, dtype=torch.int32)
         r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32)
-        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first == "first" else []):
+        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first else []):
             m = SparseKVManager(c, L, H, d, n + 1, device="cpu", boundary_table=table)
             plan = m.prepare_extend([0], [0], [P], r2t, [toks])
             for l in range(L):   # quest: page summaries
                 m.pool_layer(l, k_pool[l], plan)
             m.finish_extend([0], [True], r2t, lambda l: k_pool[l])
-            dec = PooledDecode(m, max_bs=1, q_heads=model.config.num_attention_heads) if m.pools is not None else None
-            if dec is not None and dec.ahead and first != "dense-first":   # as the backend after the prefill
-                dec.select_prompts([m.states[0]], [prefill[2][l][None] for l in range(c.dense_layers, L)],
-                                   lambda l: k_pool[l], r2t, d ** -0.5)
-            runs.append((m, dec))
+            runs.append((m, PooledDecode(m, max_bs=1, q_heads=model.config.num_attention_heads)
+                         if m.pools is not None else None))
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
-                             lychee[-1] if first == "first" else None)
+                             lychee[-1] if first else None, prefill[2] if first == "prompt" else None)
     AttentionInterface.register("served", served)
     model.config._attn_implementation = "served"
     logits = [prefill[1]]
@@ -161,7 +164,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
             served.step = i
             logits.append(model(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1])
     read = {}
-    if lychee and not (own or first == "first"):   # the pooled path counts what its steps read (not in a composition)
+    if lychee and not (own or first):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
     return logits, read

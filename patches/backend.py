@@ -20,7 +20,6 @@ import functools
 import logging
 import time
 
-import numpy as np
 import torch
 
 from sgl_sparsekv.attend import dense_decode, sparse_decode
@@ -31,7 +30,6 @@ from sgl_sparsekv.manager import PoolPlan, SparseKVManager
 from sgl_sparsekv.patches import surface
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
-from sgl_sparsekv.transfer import to_device
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
@@ -147,9 +145,6 @@ class SparseKVAttnBackend(AttentionBackend):
         self.pooled = self.active = self._big = None
         self.batch_reqs = None   # the requests of the batch being prepared, from note_batch_requests
         self.extend_rows = ([], [])   # the prefill's (request rows, prompt complete), for finish_extend
-        # select_ahead: request rows whose prompt this prefill completes past the budget, their last tokens' indexes
-        # in the batch, and those tokens' queries per sparse layer so far
-        self.prompt_rows, self.prompt_at, self.prompt_queries = None, None, []
         if self.manager.pools is not None:
             self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
             if self.pooled.side is not None:
@@ -223,24 +218,8 @@ class SparseKVAttnBackend(AttentionBackend):
             self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
                                                     req_to_token, tokens)
             # the prompt is complete when the batch reaches its last token (else a chunked prefill goes on)
-            complete = [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)]
-            self.extend_rows = (rows, complete)
-            self._keep_prompt_queries(forward_batch, rows, complete, seq_lens)
+            self.extend_rows = (rows, [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)])
             self._maybe_log()
-
-    def _keep_prompt_queries(self, forward_batch, rows, complete, seq_lens) -> None:
-        """select_ahead: which tokens of the prefill are the last of a prompt whose first decode step is past the
-        budget; ``forward_extend`` keeps their queries in every sparse layer, which select that step's lists."""
-        self.prompt_queries = []
-        self.prompt_rows = None
-        if self.pooled is None or not self.pooled.ahead:
-            return
-        ends = np.cumsum(forward_batch.extend_seq_lens_cpu)
-        last = [(row, int(e) - 1) for row, e, done, S in zip(rows, ends, complete, seq_lens)
-                if done and self.manager.needs_sparse(S + 1)]
-        if last:
-            self.prompt_rows = [row for row, _ in last]
-            self.prompt_at = to_device(torch.tensor([i for _, i in last]), torch.device(self.device))
 
     def export_metrics(self, force: bool = False) -> None:
         if self.metrics is not None:
@@ -255,18 +234,10 @@ class SparseKVAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ per layer
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        lid = layer.layer_id
-        self.manager.pool_layer(lid, self.token_to_kv_pool.get_key_buffer(lid), self.plan)
-        if self.prompt_rows is not None and self.manager.is_sparse_layer(lid):
-            self.prompt_queries.append(q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[self.prompt_at])
-        if lid == self.manager.num_layers - 1:
-            req_to_token = self.req_to_token_pool.req_to_token
-            self.manager.finish_extend(*self.extend_rows, req_to_token, self.token_to_kv_pool.get_key_buffer)
-            if self.prompt_rows is not None:
-                states = [self.manager.states[row] for row in self.prompt_rows]
-                self.pooled.select_prompts(states, self.prompt_queries, self.token_to_kv_pool.get_key_buffer,
-                                           req_to_token, layer.scaling)
-                self.prompt_rows, self.prompt_queries = None, []
+        self.manager.pool_layer(layer.layer_id, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.plan)
+        if layer.layer_id == self.manager.num_layers - 1:
+            self.manager.finish_extend(*self.extend_rows, self.req_to_token_pool.req_to_token,
+                                       self.token_to_kv_pool.get_key_buffer)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

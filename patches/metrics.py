@@ -28,10 +28,7 @@ COUNTERS = {
                            "Request decode steps run densely because the batch outgrew the selection scratch."),
     "unselected_steps": ("unselected_steps",
                          "Request decode steps past the budget run densely because the step before selected no "
-                         "token lists for them (select_ahead: a first decode step whose prompt got none)."),
-    "prompt_selections": ("prompt_selections",
-                          "Requests whose first decode step's token lists were selected with the last prompt token's "
-                          "query at the end of their prefill (select_ahead)."),
+                         "token lists for them (select_ahead: a request's first decode step)."),
     "decode_host_syncs": ("decode_host_syncs",
                           "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
                           "through ForwardBatch.init_new)."),

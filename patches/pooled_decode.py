@@ -25,9 +25,8 @@ reads the lists the request selected at the step before plus the token decoded s
 write the next step's lists with this step's query, on a second CUDA stream that forks after the attention and joins
 the step's stream once the model's forward is issued (``join``; the backend wraps the model's forward), so no
 selection stays on the step's critical path: the last layer's overlaps the final norm and the LM head. A
-request's first decode step attends to lists selected with the last prompt token's query when its prefill finished
-(``select_prompts``); a request without lists from the step before (one after a step that could not select, or
-whose prompt found no list row) attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
+request without lists from the step before (its first decode step, or one after a step that could not select)
+attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, e
                                          select_fine_ref)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, SparseKVManager, logger
-from sgl_sparsekv.transfer import StagedUpload, to_device
+from sgl_sparsekv.transfer import StagedUpload
 
 SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
@@ -177,18 +176,15 @@ class PooledDecode:
         state.lists = (self, r, S)
         return r, 1, S
 
-    def _free_row(self) -> int | None:
-        """A list row nobody holds: no owner, its owner finished, or its owner's lists are elsewhere now (another
-        decoder's, after a batch past the captured sizes)."""
-        live = self.manager.states
-        return next((r for r, owner in enumerate(self.owner)
-                     if owner is None or live.get(owner.row) is not owner or self._held_row(owner) != r), None)
-
     def _claim(self, state, batch: set[int]) -> int:
-        """A list row for ``state``: a free one, else one whose owner is not in this batch (``batch``: ids of the
-        batch's states). Each state of the batch holds at most one row, so one is found."""
-        r = self._free_row()
-        if r is None:
+        """A list row for ``state``: a free one (no owner, its owner finished, or its owner's lists are elsewhere
+        now: another decoder's, after a batch past the captured sizes), else one whose owner is not in this batch
+        (``batch``: ids of the batch's states). Each state of the batch holds at most one row, so one is found."""
+        live = self.manager.states
+        for r, owner in enumerate(self.owner):
+            if owner is None or live.get(owner.row) is not owner or self._held_row(owner) != r:
+                break
+        else:
             r = next(r for r, owner in enumerate(self.owner) if id(owner) not in batch)
         self.owner[r] = state
         return r
@@ -279,42 +275,6 @@ class PooledDecode:
                                    S if selected is None else selected])
         self._count(seq_lens, direct_lens, 0)
         return table
-
-    def select_prompts(self, states: list, queries: list[torch.Tensor], k_buffers, req_to_token: torch.Tensor,
-                       scale: float) -> int:
-        """select_ahead, once a prefill finished: the first decode step's lists of requests whose prompt just
-        completed (``queries``: per sparse layer [len(states), Hq, d]), selected in every sparse layer with the
-        last prompt token's query, as a decode step selects its next step's with its own. The first step then
-        attends to them plus the token decoded since, not to the whole sequence, whose dense reading of the prompt
-        would carry into the rest of the answer. A request past the budget without its index in the pools, or past
-        the free list rows or the selection scratch, keeps a dense first step. Eager, on the prefill's stream.
-        -> how many requests got lists."""
-        m = self.manager
-        table, picked = [], []
-        so, room = 0, self.scratch[0].shape[1]
-        for i, state in enumerate(states):
-            ranges, need = _segment_ranges(state.segments)
-            S = state.seq_len
-            placed = bool(ranges) and so + need <= room
-            if not (placed or not m.needs_sparse(S)) or len(table) == self.max_bs:
-                continue
-            r = self._held_row(state)
-            if r is None and (r := self._free_row()) is None:
-                break
-            self.owner[r] = state
-            state.lists = (self, r, S)
-            table.append((ranges + [so] if placed else UNPLACED) + [state.row, S, self.retrieve, 0, 1, r, S])
-            so += need if placed else 0
-            picked.append(i)
-        m.stats["prompt_selections"] += len(picked)
-        if not picked:
-            return 0
-        self._upload(table, len(table), len(table), req_to_token.shape)
-        at = None if len(picked) == len(states) else to_device(torch.tensor(picked), queries[0].device)
-        dense = self.cfg.dense_layers
-        for sl, q in enumerate(queries):
-            self._select(q if at is None else q[at], k_buffers(dense + sl), sl, req_to_token, scale)
-        return len(picked)
 
     def _upload(self, table: list[list[int]], bs: int, padded_bs: int, r2t_shape) -> None:
         """The step's table (one list per batch row), padded to the captured batch size, to the device."""
