@@ -8,8 +8,9 @@ The prompt is prefilled densely, as served (sparse-kv decodes only); its keys fi
 ``SparseKVManager`` builds the prompt's index from them. Then every answer token but the last is one decode step
 whose sparse layers attend through ``PooledDecode`` (the kernels' torch twins on the CPU) exactly as in serving:
 lists selected per step with that step's own queries, decode chunks cut and grafted, ``select_ahead`` attending to
-the step before's lists (its first step to the whole sequence). Errors compound through the layers as they do in
-serving, which attention-mass recall over dense Q/K/V (``bench.attention_recall``) cannot show.
+the step before's lists (its first step, eager, to the lists it selects with its own query). Errors compound
+through the layers as they do in serving, which attention-mass recall over dense Q/K/V
+(``bench.attention_recall``) cannot show.
 
 Per sample and method, over the answer tokens that decode steps produce (all but the first, which the dense
 prefill produces for every method): their log-probability, the smallest margin of their logits over the best other
@@ -32,22 +33,23 @@ from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 
 
-FIRST_STEP = ("first", "prompt")
+FIRST_STEP = ("dense-first", "prompt")
 
 
 def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
     """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, how the first
     decode step selects). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with
-    their own step's query, as lychee does, and the others one step ahead; instead of attending to the whole
-    sequence, the first decode step attends in every layer to lists selected with its own query (``+first``) or
-    with the last prompt token's (``+prompt``: what a selection at the end of the prefill would give it)."""
+    their own step's query, as lychee does, and the others one step ahead. Served, the first decode step selects
+    with its own query before it attends (an eager step); instead it attends to its whole sequence (``+dense-first``:
+    a first step inside a CUDA graph) or in every layer to lists selected with the last prompt token's query
+    (``+prompt``: what a selection at the end of the prefill would give it)."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
     first = [e for e in extra if e in FIRST_STEP]
     if (extra and not cfg.select_ahead) or set(extra) - {*first, f"own-{own}"} or len(first) > 1:
-        raise ValueError(f"{method}: +own-N and one of +first / +prompt apply to a select_ahead method")
+        raise ValueError(f"{method}: +own-N and one of +dense-first / +prompt apply to a select_ahead method")
     return cfg, own, first[0] if first else None
 
 
@@ -61,8 +63,8 @@ class ServedAttention:
     def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None):
         self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
         self.plan = None
-        # +first / +prompt: the decoder whose output every layer takes at the first decode step; +prompt: the
-        # last prompt token's query per layer, which selects its lists there
+        # +prompt: the decoder whose output every layer takes at the first decode step, and the last prompt token's
+        # query per layer, which selects its lists there
         self.first, self.prompt_q = first, prompt_q
         self.step = 0
 
@@ -82,11 +84,8 @@ class ServedAttention:
             args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
             out = self.decoders[l].attend(q[None], *args)[0]
             if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
-                if self.prompt_q is None:
-                    out = self.first.attend(q[None], *args)[0]
-                else:
-                    self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
-                    out = self.first._attention(q[None], *args)[0]
+                self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
+                out = self.first._attention(q[None], *args)[0]
         else:
             m.pool_layer(l, self.k_pool[l], self.plan)
             mask = m.select(l, 0, q.view(key.shape[1], -1, q.shape[-1]))
@@ -135,7 +134,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                            for x in kv] for kv in zip(*keys))
         r2t = torch.zeros(1, n + 1, dtype=torch.int32)
         r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32)
-        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first else []):
+        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first == "prompt" else []):
             m = SparseKVManager(c, L, H, d, n + 1, device="cpu", boundary_table=table)
             plan = m.prepare_extend([0], [0], [P], r2t, [toks])
             for l in range(L):   # quest: page summaries
@@ -145,8 +144,9 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                          if m.pools is not None else None))
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
+    by_prompt = first == "prompt"
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
-                             lychee[-1] if first else None, prefill[2] if first == "prompt" else None)
+                             lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None)
     AttentionInterface.register("served", served)
     model.config._attn_implementation = "served"
     logits = [prefill[1]]
@@ -158,13 +158,13 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
             toks.append(int(nxt))
             for m, dec in runs:
                 if dec is not None:
-                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l])
+                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l], eager=first is None)
                 else:
                     served.plan = m.prepare_decode([0], [len(toks)], r2t, [toks])
             served.step = i
             logits.append(model(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True).logits[0, -1])
     read = {}
-    if lychee and not (own or first):   # the pooled path counts what its steps read (not in a composition)
+    if lychee and not (own or by_prompt):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
     return logits, read

@@ -177,6 +177,16 @@ class SparseKVAttnBackend(AttentionBackend):
         else:
             self._prepare(forward_batch, bs - (getattr(forward_batch, "num_padding", 0) or 0), padded_bs=bs)
 
+    def graph_allowed(self, forward_batch) -> bool:
+        """Asked before SGLang replays a decode graph (patches/plugin.py): with select_ahead, a batch holding a
+        request's first decode step past the budget runs eagerly, so that step selects with its own query instead
+        of attending to its whole sequence. Host facts only: the batch's requests and ``seq_lens_cpu``."""
+        reqs = self.batch_reqs
+        if self.pooled is None or not self.pooled.ahead or reqs is None or forward_batch.seq_lens_cpu is None:
+            return True
+        states = [self.manager.states.get(r.req_pool_idx) for r in reqs]
+        return not self.pooled.first_steps(states, forward_batch.seq_lens_cpu[:len(reqs)].tolist())
+
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
 
@@ -208,7 +218,8 @@ class SparseKVAttnBackend(AttentionBackend):
                     self._big = PooledDecode(self.manager, max_bs=bs, q_heads=self.q_heads)
                 self.active = self._big
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
-                                self.token_to_kv_pool.get_key_buffer, attends=self.decode_sparse)
+                                self.token_to_kv_pool.get_key_buffer, attends=self.decode_sparse,
+                                eager=padded_bs is None)
         elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
         if mode.is_decode():

@@ -28,7 +28,10 @@ COUNTERS = {
                            "Request decode steps run densely because the batch outgrew the selection scratch."),
     "unselected_steps": ("unselected_steps",
                          "Request decode steps past the budget run densely because the step before selected no "
-                         "token lists for them (select_ahead: a request's first decode step)."),
+                         "token lists for them (select_ahead: a request's first decode step inside a CUDA graph)."),
+    "own_order_steps": ("own_order_steps",
+                        "select_ahead decode steps run eagerly in lychee's order (select, then attend) because the "
+                        "batch held a request's first decode step."),
     "decode_host_syncs": ("decode_host_syncs",
                           "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
                           "through ForwardBatch.init_new)."),

@@ -79,6 +79,15 @@ def note_batch_requests(result, cls, batch, model_runner, *args, **kwargs):
     return result
 
 
+def eager_first_steps(result, graph_runner, forward_batch, *args, **kwargs):
+    """After SGLang decides a decode batch can replay a CUDA graph: our backend may decline it (select_ahead runs a
+    request's first decode step eagerly, selecting with its own query; see ``SparseKVAttnBackend.graph_allowed``)."""
+    backend = getattr(graph_runner.model_runner, "attn_backend", None)
+    if result and hasattr(backend, "graph_allowed"):
+        return backend.graph_allowed(forward_batch)
+    return result
+
+
 def add_stats_to_internal_state(result, scheduler, *args, **kwargs):
     """``/server_info``: each DP replica's entry carries its TP rank 0's counters as ``sparse_kv_stats`` and, under
     tensor parallelism, every TP rank's own as ``sparse_kv_stats_per_tp_rank`` (each labelled with its ranks)."""
@@ -141,6 +150,7 @@ _HOOKS = {
     "charge_index_memory": (charge_index_memory, HookType.AFTER),
     "reserve_index_cache": (reserve_index_cache, HookType.AROUND),
     "note_batch_requests": (note_batch_requests, HookType.AFTER),
+    "eager_first_steps": (eager_first_steps, HookType.AFTER),
     "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),
     "check_scheduler": (check_scheduler, HookType.AFTER),
     "on_scheduler_idle": (on_scheduler_idle, HookType.BEFORE),

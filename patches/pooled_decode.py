@@ -25,8 +25,11 @@ reads the lists the request selected at the step before plus the token decoded s
 write the next step's lists with this step's query, on a second CUDA stream that forks after the attention and joins
 the step's stream once the model's forward is issued (``join``; the backend wraps the model's forward), so no
 selection stays on the step's critical path: the last layer's overlaps the final norm and the LM head. A
-request without lists from the step before (its first decode step, or one after a step that could not select)
-attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
+request's first decode step past the budget has no lists from a step before; that step selects with its own query,
+as lychee does: the backend declines the CUDA graph for a batch holding such a request (``first_steps``), and an
+eager step that holds one runs every sparse layer in lychee's order (``own_order``) for each row that can select,
+keeping those lists for the next step. A request still without lists (one whose step could not select, or a first
+step inside a graph) attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
 """
 
 from __future__ import annotations
@@ -117,6 +120,7 @@ class PooledDecode:
         # not waited for it since (``join``)
         self.side = torch.cuda.Stream(dev) if self.ahead and torch.device(dev).type == "cuda" else None
         self.forked = False
+        self.own_order = False   # select_ahead: this (eager) step selects before it attends, as lychee does
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
@@ -163,6 +167,13 @@ class PooledDecode:
         state.lists = (self, r, None)
         return r, selected
 
+    def first_steps(self, states, seq_lens: list[int]) -> bool:
+        """select_ahead: whether a batch holds a request past the budget whose index is placed and that has no lists
+        from a step before here (its first decode step, or its first back from another decoder's buffers)."""
+        needs = self.manager.needs_sparse
+        return any(st is not None and needs(S) and st.segments and (self._held_row(st) is None or st.lists[2] is None)
+                   for st, S in zip(states, seq_lens))
+
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
         lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken)."""
@@ -194,18 +205,22 @@ class PooledDecode:
         for t in self.fields:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
+        self.own_order = False
 
     def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers,
-                attends: bool = True) -> None:
+                attends: bool = True, eager: bool = False) -> None:
         """Host work of a decode step (no device read): tokens are the requests' host token ids. ``attends``: the
         step runs the sparse layers through ``attend`` (an eager step that SGLang's own backend decodes does not:
-        it writes no lists, so none are kept from it)."""
+        it writes no lists, so none are kept from it). ``eager``: the step runs outside a CUDA graph, so with
+        select_ahead a first decode step may select before it attends."""
         m = self.manager
         t0 = time.perf_counter()
         segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         states = [m.states.get(row) for row in rows]
+        self.own_order = False
         if attends:
-            table = (self._table_ahead if self.ahead else self._table)(rows, seq_lens, segments, states)
+            table = (self._table_ahead(rows, seq_lens, segments, states, eager) if self.ahead
+                     else self._table(rows, seq_lens, segments, states))
             self._upload(table, len(rows), padded_bs, req_to_token.shape)
         else:
             for state in states:
@@ -244,10 +259,14 @@ class PooledDecode:
         m.stats["dense_fallback_steps"] += len(direct_lens)
         return table
 
-    def _table_ahead(self, rows, seq_lens, segments, states) -> list[list[int]]:
+    def _table_ahead(self, rows, seq_lens, segments, states, eager: bool) -> list[list[int]]:
         """select_ahead: each row attends to the lists selected at its step before (else its whole sequence) and
-        selects for its next step where its index (or a length within the budget) allows."""
+        selects for its next step where its index (or a length within the budget) allows. An eager step holding a
+        first decode step (``first_steps``) runs in lychee's order: every row that selects attends to the lists it
+        selects now."""
         m = self.manager
+        self.own_order = eager and self.first_steps(states, seq_lens)
+        m.stats["own_order_steps"] += self.own_order
         table = []
         so, room = 0, self.scratch[0].shape[1]
         batch = {id(st) for st in states}
@@ -266,6 +285,8 @@ class PooledDecode:
             selects = placed or not m.needs_sparse(S)   # within the budget its list is every token
             if selects:
                 state.lists = (self, list_row, S)
+                if self.own_order:   # attends to the lists it selects now
+                    selected = S
             else:   # past the budget without its index: its next step attends to the whole sequence
                 m.stats["dense_fallback_steps"] += 1
             if selected is None:
@@ -312,7 +333,7 @@ class PooledDecode:
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
-        if not self.ahead:
+        if not self.ahead or self.own_order:
             if self.layer_heads[sparse_layer] is not None:
                 self._select(q, k_buf, sparse_layer, req_to_token, scale)
             return self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)

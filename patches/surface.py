@@ -32,6 +32,8 @@ HOOK_TARGETS = {
     "reserve_index_cache":
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
     "note_batch_requests": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+    "eager_first_steps": "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+                         ".can_run_graph",
     "add_stats_to_internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "check_scheduler": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "on_scheduler_idle": "sglang.srt.managers.scheduler.Scheduler.on_idle",

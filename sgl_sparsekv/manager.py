@@ -214,6 +214,7 @@ class SparseKVManager:
         self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0,
                       "dense_steps": 0, "attended_tokens": 0, "scored_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
                       "dense_fallback_steps": 0, "scratch_full_steps": 0, "reused_list_steps": 0, "unselected_steps": 0,
+                      "own_order_steps": 0,
                       "decode_prepare_s": 0.0, "index_build_s": 0.0, "index_release_s": 0.0, "decode_host_syncs": 0,
                       "extend_wait_s": 0.0, "build_chunks": 0, "extend_chunks": 0,
                       **{k: 0.0 for k in PREPARE_PHASES + BUILD_PHASES}}

@@ -91,8 +91,12 @@ class TwinWorld(World):
     """World whose lychee decode steps are checked against the algorithm's spec (``select.select_chunks`` on
     the request's index as the pools hold it, after this step's grafts)."""
 
-    def __init__(self, seed, overrides=None):
+    def __init__(self, seed, overrides=None, steps="graph"):
+        """``steps`` (select_ahead): how decode steps run: "graph" (every one replays a CUDA graph: eager off),
+        "eager" (none does: CUDA graphs off), or "served" (each asks the plugin's hook whether its graph may run)."""
         super().__init__("lychee", seed, overrides)
+        self.steps = steps
+        self.own_steps = 0   # (request, sparse layer) attended with the lists it selected that step (select_ahead)
         self.roles = head_roles.resolve(self.cfg.head_roles, LAYERS, H, self.cfg.dense_layers)
         self.pooled, self.decoder = self.manager, PooledDecode(self.manager, max_bs=8, q_heads=H * G, parts=2)
         self.qgen = torch.Generator().manual_seed(seed + 1)
@@ -196,7 +200,16 @@ class TwinWorld(World):
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1
-        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
+        # a first decode step: past the budget with its index placed, no lists kept from a step before
+        first = any(S > self.cfg.token_budget and self.pooled.states[row].pool is not None
+                    and (row, 0) not in self.kept for row, S in zip(rows, seqs))
+        eager = self.steps == "eager"
+        if self.steps == "served":
+            eager = not self.graph_allowed(reqs, seqs)
+            assert eager == first
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], eager=eager)
+        own_order = self.decoder.own_order
+        assert own_order == (eager and first)
         n = len(rows)
         unselected, selects, list_rows = (t[:n].tolist() for t in (self.decoder.direct, self.decoder.fresh,
                                                                     self.decoder.list_rows))
@@ -206,7 +219,12 @@ class TwinWorld(World):
             sl = l - self.cfg.dense_layers
             out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, D ** -0.5)
             for i, (row, S) in enumerate(zip(rows, seqs)):
-                if unselected[i]:
+                own = self.spec_mask(row, S, sl, q[i]) if selects[i] else None
+                if own_order and selects[i]:   # lychee's order: the lists it selects now
+                    assert not unselected[i]
+                    mask = own
+                    self.own_steps += 1
+                elif unselected[i]:
                     mask = torch.ones(H, S, dtype=torch.bool)
                 else:
                     before, S_sel = self.kept.pop((row, sl))
@@ -217,13 +235,25 @@ class TwinWorld(World):
                 self.kept.pop((row, sl), None)
                 if not selects[i]:
                     continue
-                own = self.spec_mask(row, S, sl, q[i])
                 self.kept[row, sl] = (own, S)
                 for h in range(H):
                     got = self.decoder.token_list(list_rows[i] * H + h, sl).tolist()
                     want = r2t[row, :S][own[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
                     self.lists_checked += 1
+
+
+    def graph_allowed(self, reqs, seqs) -> bool:
+        """The plugin's hook on SGLang's ``can_run_graph``, asked as the graph runner asks it (SGLang said yes)."""
+        from sgl_sparsekv.patches.backend import SparseKVAttnBackend
+        from sgl_sparsekv.patches.plugin import eager_first_steps
+
+        backend = types.SimpleNamespace(pooled=self.decoder, manager=self.manager, batch_reqs=reqs)
+        backend.graph_allowed = types.MethodType(SparseKVAttnBackend.graph_allowed, backend)
+        runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(attn_backend=backend))
+        batch = types.SimpleNamespace(seq_lens_cpu=torch.tensor(seqs + [1]))   # a padding row past the batch
+        assert eager_first_steps(False, runner, batch) is False   # never turns a refusal into a replay
+        return eager_first_steps(True, runner, batch)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -379,8 +409,8 @@ def test_select_every_reuses_lists_between_selections(seed):
 def test_select_ahead_attends_to_the_lists_of_the_step_before(seed):
     """select_ahead: every step attends, in every sparse layer, to the lists the spec gives the request's query of
     the step before plus the token decoded since, and leaves the spec's lists for this step's query, while
-    requests join and leave and batch rows move; a request's first decode step attends to its whole sequence
-    (counted in unselected_steps), never to another request's lists."""
+    requests join and leave and batch rows move; a request's first decode step inside a graph attends to its whole
+    sequence (counted in unselected_steps), never to another request's lists."""
     w = TwinWorld(seed, {"select_ahead": True})
     w.rng = random.Random(seed)
     w.docs = [d * 2 for d in w.docs]
@@ -390,6 +420,25 @@ def test_select_ahead_attends_to_the_lists_of_the_step_before(seed):
     st = w.pooled.stats
     assert w.reused > 0 and st["grafts"] > 0 and w.lists_checked > 200
     assert st["unselected_steps"] > 0 and st["dense_fallback_steps"] == 0
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_select_ahead_replays_no_graph_over_a_first_decode_step(seed):
+    """Served select_ahead: the plugin's hook declines a CUDA graph exactly for the steps whose batch holds a
+    request's first decode step past the budget (TwinWorld asserts it per step); such an eager step runs in
+    lychee's order, so every request that selects attends to the lists of its own query (checked against the spec)
+    and none attends to its whole sequence; the steps after replay graphs one step ahead. With CUDA graphs off
+    (every step eager) only steps holding a first step change order."""
+    for steps in ("served", "eager"):
+        w = TwinWorld(seed, {"select_ahead": True}, steps=steps)
+        w.rng = random.Random(seed)
+        w.docs = [d * 2 for d in w.docs]
+        w.random_history(16, 0.35, 8, shuffle=True)
+        for _ in range(30):
+            w.decode_batch(list(w.live))
+        st = w.pooled.stats
+        assert w.own_steps > 0 and w.reused > 0 and w.lists_checked > 200, steps
+        assert st["unselected_steps"] == 0 and st["dense_fallback_steps"] == 0 and st["own_order_steps"] > 0, steps
 
 
 @pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
@@ -471,14 +520,14 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     lists = [tuple(t.clone() for t in dec._layer_lists(l - 1)) for l in range(1, layers)]
     seqs, n, cap = list(lens), 3 * Hk, cfg.token_budget
 
-    def step(capture=None):
+    def step(eager=False):
         for i in range(3):
             r2t[rows[i], seqs[i]] = nxt + i
             seqs[i] += 1
             toks[i].append(i)
-        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l])
+        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l], eager=eager)
         with sync_check("error" if no_sync else 0):
-            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l])
+            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l], eager=eager)
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
     def run_layers():   # keeps the lists each layer attends to: the step before's with select_ahead
@@ -500,11 +549,15 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         w = windows[:n * cap].view(n, cap).long()
         return lens[:n], torch.where(torch.arange(cap, device=dev) < lens[:n, None], w, 1 << 40).sort(1).values
 
-    step()
-    model.forward()                              # warm up (Triton compiles) outside the graph
+    # warm up (Triton compiles) outside the graph: the requests' first decode step, eager as the plugin's hook
+    # makes it (select_ahead selects it in lychee's order)
+    step(eager=True)
+    assert dec.own_order == ahead
+    model.forward()
     for l in range(1, layers):                   # the twin too: with select_every its lists outlive the step
         twin.attend(q[:3], k[l], v[l], l - 1, r2t, d ** -0.5)
     twin.join()
+    dec.fill_idle(4)                             # as SGLang's capture does
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         model.forward()
@@ -536,7 +589,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
     assert pooled.stats["decode_host_syncs"] == 0
     assert (pooled.stats["reused_list_steps"] > 0) == (every > 1)
-    assert pooled.stats["unselected_steps"] == (3 if ahead else 0)   # the first step of each request
+    assert pooled.stats["unselected_steps"] == 0   # select_ahead's first steps selected with their own query
     # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
     done = pooled.states[rows[0]]
     grafted = done.units[:done.pooled_chunks]
