@@ -718,6 +718,7 @@ def main(argv=None):
                      ("gpu_serving_h200_ahead_join.json", methods_serving_table),
                      ("gpu_serving_h200_ahead_shared_join.json", methods_serving_table),
                      ("gpu_serving_h200_ahead_prompt_shared.json", methods_serving_table),
+                     ("gpu_serving_h200_ahead_own_shared.json", methods_serving_table),
                      ("gpu_serving_h200_valuecut.json", serving_table),
                      ("gpu_serving_h200_tpot_valuecut.json", serving_table),
                      ("cut_value_steps_h200.json", cut_probe_table),
