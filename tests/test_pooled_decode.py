@@ -406,39 +406,28 @@ def test_select_every_reuses_lists_between_selections(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_select_ahead_attends_to_the_lists_of_the_step_before(seed):
+@pytest.mark.parametrize("steps", ["graph", "served", "eager"])
+def test_select_ahead_attends_to_the_lists_of_the_step_before(seed, steps):
     """select_ahead: every step attends, in every sparse layer, to the lists the spec gives the request's query of
     the step before plus the token decoded since, and leaves the spec's lists for this step's query, while
-    requests join and leave and batch rows move; a request's first decode step inside a graph attends to its whole
-    sequence (counted in unselected_steps), never to another request's lists."""
-    w = TwinWorld(seed, {"select_ahead": True})
+    requests join and leave and batch rows move; never to another request's lists. A request's first decode step
+    has no lists from a step before. Inside a graph ("graph") it attends to its whole sequence (counted in
+    unselected_steps). Served, the plugin's hook declines the graph exactly for the steps whose batch holds one
+    (TwinWorld asserts it per step), and such an eager step runs in lychee's order: every request that selects
+    attends to the lists of its own query (checked against the spec). With CUDA graphs off ("eager") only the steps
+    holding a first step change order."""
+    w = TwinWorld(seed, {"select_ahead": True}, steps=steps)
     w.rng = random.Random(seed)
     w.docs = [d * 2 for d in w.docs]
     w.random_history(16, 0.35, 8, shuffle=True)
     for _ in range(30):
         w.decode_batch(list(w.live))
     st = w.pooled.stats
-    assert w.reused > 0 and st["grafts"] > 0 and w.lists_checked > 200
-    assert st["unselected_steps"] > 0 and st["dense_fallback_steps"] == 0
-
-
-@pytest.mark.parametrize("seed", [0, 3])
-def test_select_ahead_replays_no_graph_over_a_first_decode_step(seed):
-    """Served select_ahead: the plugin's hook declines a CUDA graph exactly for the steps whose batch holds a
-    request's first decode step past the budget (TwinWorld asserts it per step); such an eager step runs in
-    lychee's order, so every request that selects attends to the lists of its own query (checked against the spec)
-    and none attends to its whole sequence; the steps after replay graphs one step ahead. With CUDA graphs off
-    (every step eager) only steps holding a first step change order."""
-    for steps in ("served", "eager"):
-        w = TwinWorld(seed, {"select_ahead": True}, steps=steps)
-        w.rng = random.Random(seed)
-        w.docs = [d * 2 for d in w.docs]
-        w.random_history(16, 0.35, 8, shuffle=True)
-        for _ in range(30):
-            w.decode_batch(list(w.live))
-        st = w.pooled.stats
-        assert w.own_steps > 0 and w.reused > 0 and w.lists_checked > 200, steps
-        assert st["unselected_steps"] == 0 and st["dense_fallback_steps"] == 0 and st["own_order_steps"] > 0, steps
+    assert w.reused > 0 and st["grafts"] > 0 and w.lists_checked > 200 and st["dense_fallback_steps"] == 0
+    if steps == "graph":
+        assert st["unselected_steps"] > 0 and w.own_steps == st["own_order_steps"] == 0
+    else:
+        assert st["unselected_steps"] == 0 and w.own_steps > 0 and st["own_order_steps"] > 0
 
 
 @pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
