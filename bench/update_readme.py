@@ -1,5 +1,5 @@
 """Rewrite the generated tables (between their markers) from bench/results: every table in bench/RESULTS.md, the
-latest ones (``bench.report --latest``) in the README."""
+latest ones (``bench.report --latest``) and the issues' targets (``bench.targets``) in the README."""
 
 import re
 import subprocess
@@ -7,8 +7,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (file, marker, bench.report's arguments)
-TARGETS = (("bench/RESULTS.md", "results", []), ("README.md", "latest", ["--latest"]))
+# (file, marker, the command printing its tables)
+TARGETS = (("bench/RESULTS.md", "results", ["bench.report"]), ("README.md", "latest", ["bench.report", "--latest"]),
+           ("README.md", "targets10", ["bench.targets", "targets10"]),
+           ("README.md", "targets11", ["bench.targets", "targets11"]))
 
 
 def block(marker: str) -> re.Pattern:
@@ -17,7 +19,7 @@ def block(marker: str) -> re.Pattern:
 
 
 def tables(args: list[str]) -> str:
-    return subprocess.run([sys.executable, "-m", "bench.report", *args], capture_output=True, text=True, check=True,
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, check=True,
                           cwd=ROOT).stdout.strip()
 
 

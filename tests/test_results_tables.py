@@ -11,3 +11,20 @@ def test_generated_tables_match_the_committed_results(path, marker, args):
     found = block(marker).search((ROOT / path).read_text())
     assert found, f"{path} lacks its {marker} markers"
     assert found.group(1) == tables(args), f"{path}: run `python -m bench.update_readme`"
+
+
+def test_a_task_is_worse_than_dense_only_beyond_chance():
+    """#11's per-task rule: dense ahead on a task by the exact sign test (p < 0.05), not by a count alone."""
+    from bench.targets import tasks_worse
+
+    def run(failed):
+        return {"counts": {f"{t}@16000": {"correct": 50 - len(f), "n": 50, "failed": f} for t, f in failed.items()}}
+
+    dense = run({"code_return": [], "passkey": [1, 2]})
+    assert tasks_worse(dense, run({"code_return": [3, 4, 5, 6, 7, 8], "passkey": [1, 2]})) == [
+        "code return 44 against 50 (6 lost, 0 gained, sign test p 0.03)"]
+    # passkey: one lost against two gained; code return: five lost and none gained (p 0.06) is chance
+    assert tasks_worse(dense, run({"code_return": [3, 4, 5, 6, 7], "passkey": [9]})) == []
+    # six lost against two gained: chance
+    assert tasks_worse(run({"code_return": [1, 2], "passkey": []}), run({"code_return": [3, 4, 5, 6, 7, 8],
+                                                                         "passkey": []})) == []
