@@ -674,6 +674,7 @@ def main(argv=None):
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
+                     ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),
                      ("attention_recall_qwen_oracle_30k.json", merged_recall_table),
@@ -684,6 +685,7 @@ def main(argv=None):
                      ("attention_recall_qwen_ahead_next_16k.json", merged_recall_table),
                      ("attention_recall_qwen_next_16k.json", merged_recall_table),
                      ("attention_recall_qwen_previous_query_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_previous_query_layers_vt16k.json", recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_carry_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
