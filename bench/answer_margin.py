@@ -42,14 +42,19 @@ def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
     their own step's query, as lychee does, and the others one step ahead. Served, the first decode step selects
     with its own query before it attends (an eager step); instead it attends to its whole sequence (``+dense-first``:
     a first step inside a CUDA graph) or in every layer to lists selected with the last prompt token's query
-    (``+prompt``: what a selection at the end of the prefill would give it)."""
+    (``+prompt``: what a selection at the end of the prefill would give it). ``lychee+sticky`` (analysis): each step
+    attends to the union of the lists it selects and the ones it selected at the step before, in each layer and KV
+    head (its KV read counts the union)."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
+    if extra == ["sticky"] and base == "lychee" and not cfg.select_ahead:
+        return cfg, 0, "sticky"
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
     first = [e for e in extra if e in FIRST_STEP]
     if (extra and not cfg.select_ahead) or set(extra) - {*first, f"own-{own}"} or len(first) > 1:
-        raise ValueError(f"{method}: +own-N and one of +dense-first / +prompt apply to a select_ahead method")
+        raise ValueError(f"{method}: +own-N and one of +dense-first / +prompt apply to a select_ahead method; "
+                         "+sticky to lychee")
     return cfg, own, first[0] if first else None
 
 
@@ -60,9 +65,11 @@ class ServedAttention:
     lychee through a ``PooledDecode`` (``decoders``: per layer), quest through the manager's page selection
     (``plan``: the step's)."""
 
-    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None):
+    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None, sticky=False):
         self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
         self.plan = None
+        # +sticky: each layer's lists (per KV head, KV slots) of the step before; tokens the unions and lists read
+        self.sticky, self.before, self.union_read, self.lists_read = sticky, {}, 0, 0
         # +prompt: the decoder whose output every layer takes at the first decode step, and the last prompt token's
         # query per layer, which selects its lists there
         self.first, self.prompt_q = first, prompt_q
@@ -83,6 +90,8 @@ class ServedAttention:
         if self.decoders:
             args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
             out = self.decoders[l].attend(q[None], *args)[0]
+            if self.sticky:
+                out = self.attend_union(q, l, t, scaling)
             if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
                 self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
                 out = self.first._attention(q[None], *args)[0]
@@ -93,6 +102,22 @@ class ServedAttention:
             out = (dense_decode(q, self.k_pool[l], self.v_pool[l], slots, scaling) if mask is None
                    else sparse_decode(q, self.k_pool[l], self.v_pool[l], slots, mask, scaling))
         return out[None, None], None
+
+
+    def attend_union(self, q, l: int, t: int, scaling) -> torch.Tensor:
+        """+sticky: layer ``l`` attends to its lists of this step joined with those of the step before."""
+        from sgl_sparsekv.attend import sparse_decode
+
+        dec, sl = self.decoders[l], l - self.manager.cfg.dense_layers
+        now = [dec.token_list(h, sl).long() for h in range(dec.H)]
+        mask = torch.zeros(dec.H, t + 1, dtype=torch.bool)
+        for h, lists in enumerate(zip(now, self.before.get(l, now))):
+            for slots in lists:
+                mask[h, slots - 1] = True   # slot = position + 1
+        self.before[l] = now
+        self.union_read += int(mask.sum())
+        self.lists_read += sum(len(x) for x in now)
+        return sparse_decode(q, self.k_pool[l], self.v_pool[l], self.r2t[0, :t + 1], mask, scaling)
 
 
 def answer_scores(logits: torch.Tensor, answer: list[int]) -> dict:
@@ -144,9 +169,9 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                          if m.pools is not None else None))
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
-    by_prompt = first == "prompt"
+    by_prompt, sticky = first == "prompt", first == "sticky"
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
-                             lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None)
+                             lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None, sticky)
     AttentionInterface.register("served", served)
     model.config._attn_implementation = "served"
     logits = [prefill[1]]
@@ -158,7 +183,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
             toks.append(int(nxt))
             for m, dec in runs:
                 if dec is not None:
-                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l], eager=first is None)
+                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l], eager=first in (None, "sticky"))
                 else:
                     served.plan = m.prepare_decode([0], [len(toks)], r2t, [toks])
             served.step = i
@@ -167,6 +192,10 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
     if lychee and not (own or by_prompt):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
+        if sticky:   # what the unions read, and the step's own lists (shorter than the budget that kv_read counts)
+            per_step = H * runs[0][0].pools.layers * max(1, st["context_tokens"])
+            read.update(kv_read=round(served.union_read / per_step, 4),
+                        lists_read=round(served.lists_read / per_step, 4))
     return logits, read
 
 

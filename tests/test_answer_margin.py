@@ -27,7 +27,8 @@ def test_served_path_within_the_budget_is_dense(sample):
     dense = teacher_forced(model, table, config("off", 0), prompt, answer, pre)
     dense_ids = greedy(model, table, config("off", 0), prompt, pre, 8, set())["ids"]
     assert len(answer) > 5 and len(dense_ids) == 8
-    for method in ("lychee", "lychee-ahead", "lychee-ahead+dense-first", "lychee-ahead+prompt", "quest"):
+    for method in ("lychee", "lychee-ahead", "lychee-ahead+dense-first", "lychee-ahead+prompt", "lychee+sticky",
+                   "quest"):
         got = teacher_forced(model, table, config(method, 4096), prompt, answer, pre)
         assert got["logprob"] == pytest.approx(dense["logprob"], abs=1e-3), method
         assert got["min_margin"] == pytest.approx(dense["min_margin"], abs=1e-3), method
@@ -54,3 +55,9 @@ def test_sparse_budget_changes_the_answer_scores(sample):
     assert every["logprob"] == pytest.approx(own["logprob"], abs=1e-4)
     some = teacher_forced(model, table, config("lychee-ahead+own-8", 160), prompt, answer, pre)
     assert some["logprob"] not in (pytest.approx(own["logprob"], abs=1e-4), pytest.approx(ahead["logprob"], abs=1e-4))
+    # analysis: the union with the step before's lists reads more than the step's own lists, less than twice, and
+    # moves the scores
+    sticky = teacher_forced(model, table, config("lychee+sticky", 160), prompt, answer, pre)
+    assert sticky["lists_read"] < sticky["kv_read"] < 2 * sticky["lists_read"]
+    assert sticky["lists_read"] <= own["kv_read"]
+    assert sticky["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
