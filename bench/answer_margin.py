@@ -37,25 +37,25 @@ FIRST_STEP = ("dense-first", "prompt")
 
 
 def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
-    """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, how the first
-    decode step selects). Analysis suffixes of a select_ahead method: ``+own-N`` lets the last N layers select with
-    their own step's query, as lychee does, and the others one step ahead. Served, the first decode step selects
-    with its own query before it attends (an eager step); instead it attends to its whole sequence (``+dense-first``:
-    a first step inside a CUDA graph) or in every layer to lists selected with the last prompt token's query
-    (``+prompt``: what a selection at the end of the prefill would give it). ``lychee+sticky`` (analysis): each step
-    attends to the union of the lists it selects and the ones it selected at the step before, in each layer and KV
-    head (its KV read counts the union)."""
+    """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, its analysis
+    variant: how the first decode step selects, or "sticky"). Analysis suffixes of a select_ahead method: ``+own-N``
+    lets the last N layers select with their own step's query, as lychee does, and the others one step ahead.
+    Served, the first decode step selects with its own query before it attends (an eager step); instead it attends
+    to its whole sequence (``+dense-first``: a first step inside a CUDA graph) or in every layer to lists selected
+    with the last prompt token's query (``+prompt``: what a selection at the end of the prefill would give it).
+    ``lychee+sticky``: each step attends to the union of the lists it selects and the ones it selected at the step
+    before, in each layer and KV head (its KV read counts the union)."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
     if extra == ["sticky"] and base == "lychee" and not cfg.select_ahead:
         return cfg, 0, "sticky"
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
-    first = [e for e in extra if e in FIRST_STEP]
-    if (extra and not cfg.select_ahead) or set(extra) - {*first, f"own-{own}"} or len(first) > 1:
+    variant = [e for e in extra if e in FIRST_STEP]
+    if (extra and not cfg.select_ahead) or set(extra) - {*variant, f"own-{own}"} or len(variant) > 1:
         raise ValueError(f"{method}: +own-N and one of +dense-first / +prompt apply to a select_ahead method; "
                          "+sticky to lychee")
-    return cfg, own, first[0] if first else None
+    return cfg, own, variant[0] if variant else None
 
 
 class ServedAttention:
@@ -103,7 +103,6 @@ class ServedAttention:
                    else sparse_decode(q, self.k_pool[l], self.v_pool[l], slots, mask, scaling))
         return out[None, None], None
 
-
     def attend_union(self, q, l: int, t: int, scaling) -> torch.Tensor:
         """+sticky: layer ``l`` attends to its lists of this step joined with those of the step before."""
         from sgl_sparsekv.attend import sparse_decode
@@ -146,7 +145,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
     from sgl_sparsekv.manager import SparseKVManager
     from sgl_sparsekv.patches.pooled_decode import PooledDecode
 
-    cfg, own, first = cfg
+    cfg, own, variant = cfg
     cache = copy.deepcopy(prefill[0])
     P, n = len(prompt), len(prompt) + steps
     toks = [int(x) for x in prompt]
@@ -159,7 +158,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                            for x in kv] for kv in zip(*keys))
         r2t = torch.zeros(1, n + 1, dtype=torch.int32)
         r2t[0, :n] = torch.arange(1, n + 1, dtype=torch.int32)
-        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or first == "prompt" else []):
+        for c in [cfg] + ([dataclasses.replace(cfg, select_ahead=False)] if own or variant == "prompt" else []):
             m = SparseKVManager(c, L, H, d, n + 1, device="cpu", boundary_table=table)
             plan = m.prepare_extend([0], [0], [P], r2t, [toks])
             for l in range(L):   # quest: page summaries
@@ -169,7 +168,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                          if m.pools is not None else None))
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
-    by_prompt, sticky = first == "prompt", first == "sticky"
+    by_prompt, sticky = variant == "prompt", variant == "sticky"
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
                              lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None, sticky)
     AttentionInterface.register("served", served)
@@ -183,7 +182,8 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
             toks.append(int(nxt))
             for m, dec in runs:
                 if dec is not None:
-                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l], eager=first in (None, "sticky"))
+                    dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l],
+                                eager=variant in (None, "sticky"))
                 else:
                     served.plan = m.prepare_decode([0], [len(toks)], r2t, [toks])
             served.step = i
