@@ -34,27 +34,31 @@ from sgl_sparsekv.config import SparseKVConfig
 
 
 FIRST_STEP = ("dense-first", "prompt")
+LYCHEE_VARIANTS = ("sticky", "chunk-bound")
 
 
 def config(method: str, budget: int) -> tuple[SparseKVConfig, int, str | None]:
     """A ``bench.fidelity`` method name (``off`` for dense) at ``budget`` -> (its config, own layers, its analysis
-    variant: how the first decode step selects, or "sticky"). Analysis suffixes of a select_ahead method: ``+own-N``
-    lets the last N layers select with their own step's query, as lychee does, and the others one step ahead.
+    variant: how the first decode step selects, "sticky" or "chunk-bound"). Analysis suffixes of a select_ahead
+    method: ``+own-N`` lets the last N layers select with their own step's query, as lychee does, and the others one
+    step ahead.
     Served, the first decode step selects with its own query before it attends (an eager step); instead it attends
     to its whole sequence (``+dense-first``: a first step inside a CUDA graph) or in every layer to lists selected
     with the last prompt token's query (``+prompt``: what a selection at the end of the prefill would give it).
     ``lychee+sticky``: each step attends to the union of the lists it selects and the ones it selected at the step
-    before, in each layer and KV head (its KV read counts the union)."""
+    before, in each layer and KV head (its KV read counts the union). ``lychee+chunk-bound``: each step attends to
+    lychee's chunks ranked by Quest's key bound over each chunk's tokens instead of by the index, taken in that order
+    while they fit the budget past the sink and the window."""
     name, *extra = method.split("+")
     base, overrides = METHODS[name]
     cfg = SparseKVConfig.from_method(base, None if base == "off" else {"token_budget": budget, **overrides})
-    if extra == ["sticky"] and base == "lychee" and not cfg.select_ahead:
-        return cfg, 0, "sticky"
+    if len(extra) == 1 and extra[0] in LYCHEE_VARIANTS and base == "lychee" and not cfg.select_ahead:
+        return cfg, 0, extra[0]
     own = next((int(e[4:]) for e in extra if e.startswith("own-")), 0)
     variant = [e for e in extra if e in FIRST_STEP]
     if (extra and not cfg.select_ahead) or set(extra) - {*variant, f"own-{own}"} or len(variant) > 1:
         raise ValueError(f"{method}: +own-N and one of +dense-first / +prompt apply to a select_ahead method; "
-                         "+sticky to lychee")
+                         "+sticky or +chunk-bound to lychee")
     return cfg, own, variant[0] if variant else None
 
 
@@ -65,11 +69,12 @@ class ServedAttention:
     lychee through a ``PooledDecode`` (``decoders``: per layer), quest through the manager's page selection
     (``plan``: the step's)."""
 
-    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None, sticky=False):
+    def __init__(self, manager, decoders, k_pool, v_pool, r2t, first=None, prompt_q=None, variant=None):
         self.manager, self.decoders, self.k_pool, self.v_pool, self.r2t = manager, decoders, k_pool, v_pool, r2t
         self.plan = None
-        # +sticky: each layer's lists (per KV head, KV slots) of the step before; tokens the unions and lists read
-        self.sticky, self.before, self.union_read, self.lists_read = sticky, {}, 0, 0
+        # +sticky / +chunk-bound: how the step's sparse layers attend instead; +sticky: each layer's lists (per KV
+        # head, KV slots) of the step before; the tokens the layers read and the tokens of the step's own lists
+        self.variant, self.before, self.union_read, self.lists_read = variant, {}, 0, 0
         # +prompt: the decoder whose output every layer takes at the first decode step, and the last prompt token's
         # query per layer, which selects its lists there
         self.first, self.prompt_q = first, prompt_q
@@ -90,8 +95,10 @@ class ServedAttention:
         if self.decoders:
             args = (self.k_pool[l], self.v_pool[l], l - m.cfg.dense_layers, self.r2t, scaling)
             out = self.decoders[l].attend(q[None], *args)[0]
-            if self.sticky:
+            if self.variant == "sticky":
                 out = self.attend_union(q, l, t, scaling)
+            elif self.variant == "chunk-bound":
+                out = self.attend_chunk_bound(q, l, t, scaling)
             if self.step == 0 and self.first is not None:   # the ahead decoder still selects for the next step
                 self.first._select(self.prompt_q[l][None], *args[:1], *args[2:])
                 out = self.first._attention(q[None], *args)[0]
@@ -105,8 +112,6 @@ class ServedAttention:
 
     def attend_union(self, q, l: int, t: int, scaling) -> torch.Tensor:
         """+sticky: layer ``l`` attends to its lists of this step joined with those of the step before."""
-        from sgl_sparsekv.attend import sparse_decode
-
         dec, sl = self.decoders[l], l - self.manager.cfg.dense_layers
         now = [dec.token_list(h, sl).long() for h in range(dec.H)]
         mask = torch.zeros(dec.H, t + 1, dtype=torch.bool)
@@ -114,9 +119,37 @@ class ServedAttention:
             for slots in lists:
                 mask[h, slots - 1] = True   # slot = position + 1
         self.before[l] = now
-        self.union_read += int(mask.sum())
         self.lists_read += sum(len(x) for x in now)
-        return sparse_decode(q, self.k_pool[l], self.v_pool[l], self.r2t[0, :t + 1], mask, scaling)
+        return self.attend_mask(q, l, mask, scaling)
+
+    def attend_chunk_bound(self, q, l: int, t: int, scaling) -> torch.Tensor:
+        """+chunk-bound: layer ``l`` attends to the request's chunks (as the manager cut them) ranked by Quest's bound
+        ``sum_i max(q_i min_i, q_i max_i)`` over each chunk's keys, in that order while they fit the budget."""
+        from sgl_sparsekv.select import _prefix_within, quest_scores, units_to_token_mask
+
+        cfg, st, S = self.manager.cfg, self.manager.states[0], t + 1
+        starts, ends = torch.tensor(st.starts), torch.tensor(st.ends)
+        starts, ends = starts[ends <= S], ends[ends <= S]
+        keys = self.k_pool[l][1:S + 1].float()                                    # [S, H, d] by position (slot - 1)
+        pos = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
+        (_, H, d), n = keys.shape, len(starts)
+        chunk = torch.repeat_interleave(torch.arange(n), ends - starts)[:, None, None].expand(-1, H, d)
+        kmin = torch.full((n, H, d), float("inf")).scatter_reduce(0, chunk, keys[pos], "amin").transpose(0, 1)
+        kmax = torch.full((n, H, d), float("-inf")).scatter_reduce(0, chunk, keys[pos], "amax").transpose(0, 1)
+        scores = quest_scores(q.view(H, -1, d).float(), kmin, kmax, cfg.gqa_reduce)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        take = _prefix_within((ends - starts).float()[order], torch.ones(order.shape, dtype=torch.bool),
+                              cfg.token_budget - cfg.sink_tokens - cfg.recent_window)
+        sel = torch.zeros(H, n, dtype=torch.bool).scatter_(1, order, take)
+        mask = units_to_token_mask(sel, starts, ends, S, cfg.sink_tokens, cfg.recent_window)
+        self.lists_read += int(mask.sum())
+        return self.attend_mask(q, l, mask, scaling)
+
+    def attend_mask(self, q, l: int, mask: torch.Tensor, scaling) -> torch.Tensor:
+        from sgl_sparsekv.attend import sparse_decode
+
+        self.union_read += int(mask.sum())
+        return sparse_decode(q, self.k_pool[l], self.v_pool[l], self.r2t[0, :mask.shape[1]], mask, scaling)
 
 
 def answer_scores(logits: torch.Tensor, answer: list[int]) -> dict:
@@ -168,9 +201,10 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
                          if m.pools is not None else None))
     lychee = [dec for _, dec in runs if dec is not None]
     decoders = {l: lychee[-1] if l >= L - own else lychee[0] for l in range(L)} if lychee else {}
-    by_prompt, sticky = variant == "prompt", variant == "sticky"
+    by_prompt = variant == "prompt"
     served = ServedAttention(runs[0][0] if runs else None, decoders, k_pool, v_pool, r2t,
-                             lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None, sticky)
+                             lychee[-1] if by_prompt else None, prefill[2] if by_prompt else None,
+                             variant if variant in LYCHEE_VARIANTS else None)
     AttentionInterface.register("served", served)
     model.config._attn_implementation = "served"
     logits = [prefill[1]]
@@ -183,7 +217,7 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
             for m, dec in runs:
                 if dec is not None:
                     dec.prepare([0], [len(toks)], 1, r2t, [toks], lambda l: k_pool[l],
-                                eager=variant in (None, "sticky"))
+                                eager=variant is None or variant in LYCHEE_VARIANTS)
                 else:
                     served.plan = m.prepare_decode([0], [len(toks)], r2t, [toks])
             served.step = i
@@ -192,7 +226,8 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
     if lychee and not (own or by_prompt):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
-        if sticky:   # what the unions read, and the step's own lists (shorter than the budget that kv_read counts)
+        if variant in LYCHEE_VARIANTS:   # what the layers read, and the step's own lists (shorter than the budget
+            # that kv_read counts)
             per_step = H * runs[0][0].pools.layers * max(1, st["context_tokens"])
             read.update(kv_read=round(served.union_read / per_step, 4),
                         lists_read=round(served.lists_read / per_step, 4))

@@ -28,7 +28,7 @@ def test_served_path_within_the_budget_is_dense(sample):
     dense_ids = greedy(model, table, config("off", 0), prompt, pre, 8, set())["ids"]
     assert len(answer) > 5 and len(dense_ids) == 8
     for method in ("lychee", "lychee-ahead", "lychee-ahead+dense-first", "lychee-ahead+prompt", "lychee+sticky",
-                   "quest"):
+                   "lychee+chunk-bound", "quest"):
         got = teacher_forced(model, table, config(method, 4096), prompt, answer, pre)
         assert got["logprob"] == pytest.approx(dense["logprob"], abs=1e-3), method
         assert got["min_margin"] == pytest.approx(dense["min_margin"], abs=1e-3), method
@@ -60,4 +60,8 @@ def test_sparse_budget_changes_the_answer_scores(sample):
     sticky = teacher_forced(model, table, config("lychee+sticky", 160), prompt, answer, pre)
     assert sticky["lists_read"] < sticky["kv_read"] < 2 * sticky["lists_read"]
     assert sticky["lists_read"] <= own["kv_read"]
+    # analysis: lychee's chunks ranked by Quest's key bound read what fits the budget, and attend elsewhere
+    bound = teacher_forced(model, table, config("lychee+chunk-bound", 160), prompt, answer, pre)
+    assert bound["kv_read"] == bound["lists_read"] <= own["kv_read"]
+    assert bound["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
     assert sticky["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
