@@ -74,7 +74,7 @@ class ServedAttention:
         self.plan = None
         # +sticky / +chunk-bound: how the step's sparse layers attend instead; +sticky: each layer's lists (per KV
         # head, KV slots) of the step before; the tokens the layers read and the tokens of the step's own lists
-        self.variant, self.before, self.union_read, self.lists_read = variant, {}, 0, 0
+        self.variant, self.before, self.tokens_read, self.lists_read = variant, {}, 0, 0
         # +prompt: the decoder whose output every layer takes at the first decode step, and the last prompt token's
         # query per layer, which selects its lists there
         self.first, self.prompt_q = first, prompt_q
@@ -148,7 +148,7 @@ class ServedAttention:
     def attend_mask(self, q, l: int, mask: torch.Tensor, scaling) -> torch.Tensor:
         from sgl_sparsekv.attend import sparse_decode
 
-        self.union_read += int(mask.sum())
+        self.tokens_read += int(mask.sum())
         return sparse_decode(q, self.k_pool[l], self.v_pool[l], self.r2t[0, :mask.shape[1]], mask, scaling)
 
 
@@ -226,10 +226,9 @@ def decode(model, table, cfg: tuple[SparseKVConfig, int, str | None], prompt: np
     if lychee and not (own or by_prompt):   # the pooled path counts what its steps read (not in a composition)
         st = runs[0][0].stats
         read["kv_read"] = round(st["attended_tokens"] / max(1, st["context_tokens"]), 4)
-        if variant in LYCHEE_VARIANTS:   # what the layers read, and the step's own lists (shorter than the budget
-            # that kv_read counts)
+        if variant in LYCHEE_VARIANTS:   # what the layers read, and the step's own lists (shorter than the budget)
             per_step = H * runs[0][0].pools.layers * max(1, st["context_tokens"])
-            read.update(kv_read=round(served.union_read / per_step, 4),
+            read.update(kv_read=round(served.tokens_read / per_step, 4),
                         lists_read=round(served.lists_read / per_step, 4))
     return logits, read
 

@@ -60,8 +60,8 @@ def test_sparse_budget_changes_the_answer_scores(sample):
     sticky = teacher_forced(model, table, config("lychee+sticky", 160), prompt, answer, pre)
     assert sticky["lists_read"] < sticky["kv_read"] < 2 * sticky["lists_read"]
     assert sticky["lists_read"] <= own["kv_read"]
+    assert sticky["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
     # analysis: lychee's chunks ranked by Quest's key bound read what fits the budget, and attend elsewhere
     bound = teacher_forced(model, table, config("lychee+chunk-bound", 160), prompt, answer, pre)
     assert bound["kv_read"] == bound["lists_read"] <= own["kv_read"]
     assert bound["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
-    assert sticky["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
