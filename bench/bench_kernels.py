@@ -28,7 +28,7 @@ from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
 from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
-from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, over_shared, pack, scratch, select_fine
+from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, over_shared, pack, pack_box, scratch, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -101,12 +101,14 @@ def selection_cost(bs, ctx, budget):
     return bench(run), L, P
 
 
-def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = FINE) -> dict:
+def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = FINE,
+                   box: bool = False) -> dict:
     """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
     random unit keys (8-16-token chunks, ``fine_cluster_size`` per fine cluster on average), queries, budgets,
     lengths, request rows, and a key buffer. ``shared``:
     every request adopted one prefix of ``ctx - 256`` tokens (one shared segment) and owns an index of its last 256
-    tokens; else each owns an index of all its tokens."""
+    tokens; else each owns an index of all its tokens. ``box``: fine boxes too (``box``, over made-up chunk key
+    bounds)."""
     own_tokens = 256 if shared else ctx
     indexes, starts, lens = [], [], []
 
@@ -114,7 +116,9 @@ def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fi
         M = n_tokens // 12
         keys = torch.nn.functional.normalize(torch.randn(H, M, D, device="cuda"), dim=-1)
         ln = torch.randint(8, 17, (M,), device="cuda")
-        indexes.append(build_index(keys, ln, fine_cluster_size, 64, 3))
+        spread = torch.rand(H, M, 2, D, device="cuda")
+        bounds = torch.stack([keys - spread[:, :, 0], keys + spread[:, :, 1]], 2) if box else None
+        indexes.append(build_index(keys, ln, fine_cluster_size, 64, 3, bounds))
         starts.append(torch.cumsum(ln, 0) - ln + first)
         lens.append(ln)
 
@@ -129,7 +133,7 @@ def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fi
     # random chunk lengths sum past ctx at times: rows as long as the longest sequence, or emission reads past them
     width = max(seq)
     return dict(
-        coarse=coarse, fine=fine, chunks=chunks, ranges=ranges.contiguous(),
+        coarse=coarse, fine=fine, chunks=chunks, ranges=ranges.contiguous(), box=pack_box(indexes, "cuda") if box else None,
         scratch=scratch(int((ranges[F["so"]] + ranges[F["L0"]] + ranges[F["L1"]]).max()), H, "cuda"),
         q=torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16),
         rem=torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda"),

@@ -45,6 +45,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)
            "lychee-rerank-2-expand-8": ("lychee", {"rerank_factor": 2, "coarse_expand": 8.0}),
+           # fine clusters ranked by the box of their tokens' keys: Quest's bound (weight 1), or a quarter of it
+           "lychee-box": ("lychee", {"fine_bound": "box", "radius_weight": 1.0}),
+           "lychee-box-0.25": ("lychee", {"fine_bound": "box"}),
            # hybrid heads (#12): a shipped role map of the model served ({model}: the --model name), or staggered
            **{f"lychee-hybrid-{roles}": ("lychee", {"head_roles": f"{{model}}-{roles}"})
               for roles in ("calibrated-0.25", "hardkuma-0.25", "layer-sharing-0.25")},

@@ -36,8 +36,9 @@ from sgl_sparsekv.patches.pooled_decode import parts_for
 def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int = 64, parts: int = 32,
               retrieving: int = H, shared: bool = False, fine_cluster_size: float = FINE, expand: float = EXPAND,
               rerank: int = 1, cut_band: tuple[int, int] = (ks.CUT_BAND, ks.CUT_BAND_KEYS),
-              value_steps: int = ks.CUT_VALUE_STEPS) -> dict:
-    c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size)
+              value_steps: int = ks.CUT_VALUE_STEPS, bound: str = "ball") -> dict:
+    c = selection_case(bs, ctx, budget, sink, recent, shared, fine_cluster_size, box=bound == "box")
+    box = c["box"]
     coarse, fine, chunks, ranges = c["coarse"], c["fine"], c["chunks"], c["ranges"]
     q, rem, seq, req_to_token, rows, k = c["q"], c["rem"], c["seq"], c["req_to_token"], c["rows"], c["k"]
     lstarts, ws = c["list_starts"], c["workspace"]
@@ -60,7 +61,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
         ks.coarse_expand(q, coarse, ranges, rem, expand, heads, 0.25, out=expanded)
 
     def fine_bounds():
-        ks.fine_bounds(q, fine, ranges, expanded, bnd, heads, 0.25, parts)
+        ks.fine_bounds(q, fine, ranges, expanded, bnd, heads, 0.25, parts, box=box)
 
     def cut():
         ks._cut_kernel[(bs * R,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, R, H=H, BLOCK=ks.CUT_BLOCK,
@@ -80,7 +81,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
 
     # the layer before, where every head retrieved: the lists that sparse heads keep
     ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, expand, parts=parts, out=c["scratch"],
-                                  cut_band=cut_band, cut_value_steps=value_steps), chunks,
+                                  cut_band=cut_band, cut_value_steps=value_steps, box=box), chunks,
                    ranges, rows, seq, req_to_token, sink, recent, cap_c, dense_limit=budget, parts=parts, out=out)
     phases = [("coarse", coarse_pick), ("fine_bounds", fine_bounds), ("cut", cut), ("emit", emit),
               *([("rerank", rerank_step)] if rerank > 1 else []), ("attend", attend)]
@@ -90,7 +91,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     def layer():   # the whole chain through the launch wrappers, as the server runs it
         ks.emit_tokens(ks.select_fine(q, coarse, fine, ranges, rem, expand, parts=parts, out=c["scratch"],
                                       radius_weight=0.25, heads=heads, cut_band=cut_band,
-                                      cut_value_steps=value_steps),
+                                      cut_value_steps=value_steps, box=box),
                        chunks, ranges, rows, seq, req_to_token, sink, recent, cap_c, dense_limit=budget, parts=parts,
                        out=out, heads=heads)
         if rerank > 1:
@@ -102,7 +103,7 @@ def breakdown(bs: int, ctx: int, budget: int = 1024, sink: int = 16, recent: int
     live = int((bnd[:R, :int(L.sum())] > float("-inf")).sum()) // R
     return {"ctx": ctx, "bs": bs, "parts": parts, "fine_cluster_size": fine_cluster_size, "coarse_expand": expand,
             "retrieving_heads": R, "shared_prefix": shared, "cut_band": list(cut_band), "cut_value_steps": value_steps,
-            "rerank_factor": rerank, "fine_clusters": int(L.sum()) // bs,
+            "rerank_factor": rerank, "fine_bound": bound, "fine_clusters": int(L.sum()) // bs,
             "live_fine_per_head": live // bs,
             "candidates_per_list": int(out[0][:bs * H].float().mean()), "attended_per_list": int(lists[0][:bs * H].float().mean()),
             **{f"{n}_ms": round(graph_bench(f), 4) for n, f in phases}, "layer_ms": round(graph_bench(layer), 4)}
@@ -123,17 +124,19 @@ def main():
                     help="programs per (request, KV head) of the fine bounds and the token lists (PooledDecode's parts)")
     ap.add_argument("--cut-bands", nargs="+", default=[f"{ks.CUT_BAND}:{ks.CUT_BAND_KEYS}"],
                     help="TILE:KEYS of the register cut's last passes")
+    ap.add_argument("--bounds", nargs="+", default=["ball"], choices=["ball", "box"], help="fine_bound values")
     ap.add_argument("--cut-value-steps", type=int, nargs="+", default=[ks.CUT_VALUE_STEPS],
                     help="the register cut's first passes that halve values rather than keys")
     a = ap.parse_args()
     bands = [tuple(int(x) for x in b.split(":")) for b in a.cut_bands]
     res = {"device": torch.cuda.get_device_name(), "rows": []}
-    for ctx, bs, r, sh, size, ex, f, cb, v, p in (
-            (c, b, r, sh, z, e, f, cb, v, p) for c in a.contexts for b in a.batches for r in a.retrieving
+    for ctx, bs, r, sh, size, ex, f, cb, v, p, bd in (
+            (c, b, r, sh, z, e, f, cb, v, p, bd) for c in a.contexts for b in a.batches for r in a.retrieving
             for sh in ((False, True) if a.shared else (False,)) for z in a.sizes for e in a.expands
-            for f in a.reranks for cb in bands for v in a.cut_value_steps for p in a.parts):
+            for f in a.reranks for cb in bands for v in a.cut_value_steps for p in a.parts for bd in a.bounds):
         res["rows"].append(breakdown(bs, ctx, parts=parts_for(bs) if p is None else p, retrieving=r, shared=sh,
-                                     fine_cluster_size=size, expand=ex, rerank=f, cut_band=cb, value_steps=v))
+                                     fine_cluster_size=size, expand=ex, rerank=f, cut_band=cb, value_steps=v,
+                                     bound=bd))
         print(json.dumps(res["rows"][-1]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -5,6 +5,7 @@ request's backlog of new chunks, for every sparse layer and KV head at once: pro
 grafts its request's chunks in order, each to the nearest non-empty fine cluster by inner product (first index on
 ties, like ``argmax``): it moves that centroid by running mean, grows its radius by the shift and to cover the
 chunk, does the same for its coarse unit, and records the chunk's cluster. A chunk sees the grafts before it.
+With fine boxes (``fine_bound`` "box") the cluster's box grows to cover the chunk's key min and max.
 """
 
 from __future__ import annotations
@@ -29,14 +30,29 @@ def _stored(x, dmask):
     return codes, scale, codes * scale
 
 
+@triton.jit
+def _stored_box(lo, hi, dmask):
+    """Key bounds -> (center, half-width) in bf16 as ``index.box_from`` stores them: the center to the nearest
+    value (ties to even), the half-width grown by the center's rounding and rounded up. Rounded on the bits, as
+    the Triton interpreter truncates in a cast."""
+    center = (lo + hi) * 0.5
+    b = center.to(tl.int32, bitcast=True)
+    c = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    w = tl.where(dmask, tl.abs(center - c.to(tl.float32)) + (hi - lo) * 0.5, 0.0)
+    wb = (w.to(tl.int32, bitcast=True) >> 16).to(tl.int16)   # w >= 0: dropping bits rounds down
+    wb = tl.where((wb.to(tl.int32) << 16).to(tl.float32, bitcast=True) < w, wb + 1, wb)
+    return c, wb.to(tl.bfloat16, bitcast=True)
+
+
 # strides that follow the step's job and chunk counts, and the 16-byte alignment of the job table, lengths and
 # starts (slices of the step's one upload at offsets that follow its counts): specializing on either would
 # compile new variants mid-serving
 @triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"], do_not_specialize_on_alignment=["Jobs", "Length", "Start"])
 def _graft_kernel(Keys, Jobs, Length, Start,
-                  FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen,
+                  FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen, FBox,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                  BOX: tl.constexpr):
     # int64 from the start: layer * stride can pass 2**31 elements for a large backlog of chunk keys
     g = tl.program_id(0).to(tl.int64)
     lh = tl.program_id(1).to(tl.int64)
@@ -90,6 +106,17 @@ def _graft_kernel(Keys, Jobs, Length, Start,
         tl.store(FR + c, new_r_c)
         tl.store(FN + c, n_c + 1)
         tl.store(FTok + c, tl.load(FTok + c) + length)
+        if BOX:   # [F, H, 2, D] bf16 (center, half-width)
+            kb = Keys + layer * s_sl + kr * s_su + h * s_sh + D
+            lo = tl.load(kb + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            hi = tl.load(kb + D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            bc = tl.load(FBox + c * 2 * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            bw = tl.load(FBox + c * 2 * D + D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            lo = tl.where(n_c > 0, tl.minimum(bc - bw, lo), lo)
+            hi = tl.where(n_c > 0, tl.maximum(bc + bw, hi), hi)
+            bc, bw = _stored_box(lo, hi, dmask)
+            tl.store(FBox + c * 2 * D + offs_d, bc, mask=dmask)
+            tl.store(FBox + c * 2 * D + D + offs_d, bw, mask=dmask)
 
         gc = layer * s_cl + (co + tl.load(FPar + c)) * H + h
         n_g = tl.load(CN + gc)
@@ -110,7 +137,8 @@ def _graft_kernel(Keys, Jobs, Length, Start,
 def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor) -> None:
     """Graft every request's new chunks into ``pools`` (sgl_sparsekv.index_pool.IndexPools), every layer and head.
 
-    keys: [layers, J, H, 1, d] chunk keys (``SparseKVManager.chunk_keys``); lengths/starts: [J] each chunk's token
+    keys: [layers, J, H, vecs, d] chunk keys (``SparseKVManager.chunk_keys``: the unit key, then with fine boxes
+    the keys' min and max); lengths/starts: [J] each chunk's token
     count and first position. jobs: [6, requests] integers, per request (first key row, chunk count, fine offset,
     fine count, coarse offset, first chunk row): its chunks are key rows ``first .. first + count`` and go to
     consecutive chunk-pool rows. All on the pools' device, so nothing here waits for the GPU.
@@ -123,9 +151,9 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
         keys, jobs, lengths, starts,
         pools.fmu, pools.fsc, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.csc, pools.cr, pools.cn,
         pools.ctok,
-        pools.kfine, pools.kstart, pools.klen, keys.stride(0), keys.stride(1), keys.stride(2),
+        pools.kfine, pools.kstart, pools.klen, pools.fbox, keys.stride(0), keys.stride(1), keys.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0), jobs.stride(1),
-        H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64)
+        H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64, BOX=pools.box)
 
 
 def precompile_graft(pools, key_dtype: torch.dtype) -> None:
@@ -136,7 +164,7 @@ def precompile_graft(pools, key_dtype: torch.dtype) -> None:
     if Ls == 0:
         return
     payload = torch.zeros(8, dtype=torch.int64, device=pools.fmu.device)   # what PoolPlan.packed uploads
-    keys = torch.zeros(Ls, 1, H, 1, D, dtype=key_dtype, device=pools.fmu.device)
+    keys = torch.zeros(Ls, 1, H, 3 if pools.box else 1, D, dtype=key_dtype, device=pools.fmu.device)
     graft_chunks(pools, keys, payload[:6].view(6, 1), payload[6:7], payload[7:])
 
 
@@ -149,5 +177,6 @@ def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: tor
             kr, row = k0 + i, row0 + i
             pools.kstart[row] = starts[kr]
             pools.klen[row] = lengths[kr]
-            pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]))
+            box = keys[:, kr, :, 1:].float() if pools.box else None
+            pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]), box)
         pools.store_view(view, c0, f0)

@@ -6,6 +6,7 @@ side):
 
     coarse pool:  (mu [C, H, d], scale [C, H]), r [C, H], tok [C, H]                 (co, P per segment)
     fine pool:    (mu [F, H, d], scale [F, H]), r [F, H], tok [F, H], parent [F, H]  (fo, L; parent: local coarse)
+    fine boxes:   [F, H, 2, d] bf16: center and half-width                           (optional, ``fine_bound`` "box")
     (a centroid is its int8 codes ``mu`` times its power-of-two ``scale``, ``sgl_sparsekv.index.quantize``)
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
@@ -132,6 +133,30 @@ def _tile_bounds(mu, scale, r, q, qn, G: tl.constexpr, BLOCK_G: tl.constexpr, IE
 
 
 @triton.jit
+def _box_bounds(Qg, stride_qh, c, w, rw, offs_d, dmask, G: tl.constexpr):
+    """Box score of each fine cluster for a GQA group: max over its query heads of q.c + rw |q|.w (rw = 1: Quest's
+    bound over the box), in fp32 FMAs. c, w: [rows, D] fp32 center and half-width."""
+    best = tl.full([c.shape[0]], NEG, tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(Qg + g * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        best = tl.maximum(best, tl.sum(c * q[None, :], 1) + rw * tl.sum(w * tl.abs(q)[None, :], 1))
+    return best
+
+
+@triton.jit
+def _tile_box_bounds(c, w, q, rw, G: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+    """``_box_bounds`` of a tile of bf16 boxes (center, half-width [rows, D]) on the tensor cores: bf16 products
+    are exact in fp32, as in ``_tile_bounds``."""
+    qa = tl.abs(q)
+    if IEEE:
+        s = tl.dot(c.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        s += rw * tl.dot(w.to(tl.float32), tl.trans(qa.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(c, tl.trans(q)) + rw * tl.dot(w, tl.trans(qa))
+    return tl.max(tl.where((tl.arange(0, BLOCK_G) < G)[None, :], s, NEG), 1)
+
+
+@triton.jit
 def _coarse_expand_kernel(Q, CMu, CSc, CR, CTok, T, st, Budget, Expanded, Heads, R, expand, rw, stride_qb, stride_qh,
                           stride_cm,
                           H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -160,13 +185,15 @@ def _coarse_expand_kernel(Q, CMu, CSc, CR, CTok, T, st, Budget, Expanded, Heads,
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb, stride_qh, stride_fm,
+def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb,
+                        stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr,
-                        DOT: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
+                        DOT: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, BOX: tl.constexpr):
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), into the request's scratch
-    rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters. DOT (bf16 queries
-    queries): each tile is scored with one ``tl.dot`` against the group's queries, loaded once."""
+    rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters. DOT (bf16 queries):
+    each tile is scored with ``tl.dot`` against the group's queries, loaded once. BOX: clusters are scored by
+    their boxes (FBox [F, H, 2, D] bf16) instead of centroid and radius."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
@@ -187,7 +214,17 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, T, st, Expanded, Bnd, S, Heads, R
         fr = tl.load(FR + frow * H + h, mask=lmask, other=NEG)
         live = (tl.load(Expanded + pid * BLOCK_P + par, mask=lmask, other=0) > 0) & lmask & (fr > NEG)
         fub = tl.full([BLOCK_L], NEG, tl.float32)
-        if tl.max(live.to(tl.int32), 0) > 0:
+        if BOX:
+            if tl.max(live.to(tl.int32), 0) > 0:
+                at = FBox + (frow * H + h)[:, None] * 2 * D + offs_d[None, :]
+                m2 = live[:, None] & dmask[None, :]
+                bc, bw = tl.load(at, mask=m2, other=0.0), tl.load(at + D, mask=m2, other=0.0)
+                if DOT:
+                    fub = tl.where(live, _tile_box_bounds(bc, bw, qg, rw, G, BLOCK_G, IEEE), NEG)
+                else:
+                    fub = tl.where(live, _box_bounds(Qg, stride_qh, bc.to(tl.float32), bw.to(tl.float32), rw, offs_d,
+                                                     dmask, G), NEG)
+        elif tl.max(live.to(tl.int32), 0) > 0:
             fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0)
             fsc = tl.load(FSc + frow * H + h, mask=live, other=0.0)
@@ -200,22 +237,24 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, T, st, Expanded, Bnd, S, Heads, R
 
 
 def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, parts: int, max_coarse: int = 64,
-                block_l: int = FINE_BLOCK, num_warps: int = 4):
+                block_l: int = FINE_BLOCK, num_warps: int = 4, box=None):
     """Launch ``_fine_bounds_kernel`` for the batch of ``q`` (one row per request) into the scratch ``bnd``, after
     the coarse expansion wrote ``expanded``; ``block_l`` and ``num_warps`` for launch-parameter sweeps. bf16
     queries (a bf16 model's, with ``gqa_reduce`` "max") are scored on the tensor cores: 0.057 -> 0.045 ms per layer
-    at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json); others by fp32 FMAs."""
+    at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json); others by fp32 FMAs. ``box``:
+    the fine boxes [F, H, 2, d] that rank the clusters instead (``IndexPools.box_layer``; unread without)."""
     bs, Hq, D = q.shape
     (fmu, fsc), fr, _, fpar = fine
     H = fmu.shape[1]
     R = heads.numel()
     dot = q.dtype == torch.bfloat16
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, ranges, ranges.stride(0), expanded, bnd, bnd.stride(0),
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fmu if box is None else box, ranges, ranges.stride(0), expanded, bnd,
+                                         bnd.stride(0),
                                          heads, R, float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0),
                                          H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
                                          BLOCK_P=_block_p(max_coarse), BLOCK_L=block_l, PARTS=parts,
                                          DOT=dot, BLOCK_G=max(16, triton.next_power_of_2(Hq // H)),
-                                         IEEE=_INTERPRET, num_warps=num_warps)
+                                         IEEE=_INTERPRET, BOX=box is not None, num_warps=num_warps)
 
 
 def _block_p(max_coarse: int) -> int:
@@ -501,7 +540,8 @@ def coarse_expand(q, coarse, ranges, budget, expand: float, heads: torch.Tensor,
 def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                 out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
                 radius_weight: float = 1.0, heads: torch.Tensor | None = None,
-                cut_band: tuple[int, int] = (CUT_BAND, CUT_BAND_KEYS), cut_value_steps: int = CUT_VALUE_STEPS):
+                cut_band: tuple[int, int] = (CUT_BAND, CUT_BAND_KEYS), cut_value_steps: int = CUT_VALUE_STEPS,
+                box=None):
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
@@ -510,7 +550,8 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
     (tile, keys) sets the register cut's last passes and ``cut_value_steps`` its first (``_cut_in_registers``).
-    ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``). Each segment
+    ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``); ``box``
+    [F, H, 2, d] bf16: fine boxes, which rank the fine clusters instead of their centroids. Each segment
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
     """
@@ -523,7 +564,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     heads = all_heads(H, q.device) if heads is None else heads
     R = heads.numel()
     expanded = coarse_expand(q, coarse, ranges, budget, expand, heads, radius_weight, max_coarse)
-    fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight, parts, max_coarse)
+    fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight, parts, max_coarse, box=box)
     _cut_kernel[(q.shape[0] * R,)](bnd, ftok, ranges, ranges.stride(0), budget, sel, bnd.stride(0), heads, R, H=H,
                                    BLOCK=cut_block, BAND=cut_band[0], BAND_KEYS=cut_band[1],
                                    VALUE_STEPS=cut_value_steps, num_warps=CUT_WARPS)
@@ -683,7 +724,7 @@ def batch_ranges(ranges: torch.Tensor, bs: int) -> list[dict]:
 
 def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
                     out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
-                    radius_weight: float = 1.0, heads: torch.Tensor | None = None):
+                    radius_weight: float = 1.0, heads: torch.Tensor | None = None, box=None):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
     is live where its radius is finite, as the kernels read it."""
     from sgl_sparsekv.index import ClusterIndex, dequantize
@@ -703,7 +744,8 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
                             fine_n=(fr[f].T > float("-inf")).float(), fine_tokens=ftok[f].T, fine_parent=par.T,
                             coarse_mu=dequantize(cmu[c], csc[c]).transpose(0, 1),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
-                            chunk_fine=par[:0].T)
+                            chunk_fine=par[:0].T,
+                            fine_box=None if box is None else box[f].float().transpose(0, 1))
         cols = slice(r["so"], r["so"] + len(f))
         sel[hs, cols] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
                                         radius_weight).float()[hs]
@@ -778,6 +820,13 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     chunks = (cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
               cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
     return coarse, fine, chunks, table.to(device)
+
+
+def pack_box(indexes, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fine boxes of :func:`pack`'s indexes as the index pools store them: [F, H, 2, d] bf16."""
+    from sgl_sparsekv.index import quantize_box
+
+    return quantize_box(torch.cat([ix.fine_box.transpose(0, 1) for ix in indexes])).contiguous().to(device)
 
 
 def over_shared(packed: torch.Tensor, first_row: int = 0) -> torch.Tensor:

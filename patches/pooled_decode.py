@@ -375,7 +375,8 @@ class PooledDecode:
         # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
         qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
         sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
-                          parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads)
+                          parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads,
+                          box=self.manager.pools.box_layer(sparse_layer))
         reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
         cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
         self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,

@@ -58,6 +58,11 @@ class SparseKVConfig:
     # LycheeCluster, under which wide clusters of filler outrank the tight one holding a needle; 0.25 answered
     # 213 of 500 long-context samples where 1 answered 171 (README, fidelity on the GPU).
     radius_weight: float = 0.25
+    # What fine clusters are ranked by: "ball", their centroid and radius over unit chunk keys (LycheeCluster);
+    # "box", the per-dimension min and max of their tokens' raw keys, q.c + radius_weight |q|.w (center c,
+    # half-width w; radius_weight 1 is Quest's bound), which keeps the single tokens a chunk's mean key averages
+    # away. A box (bf16) costs 4 x head_dim bytes per fine cluster and KV head beside the centroid's head_dim.
+    fine_bound: str = "ball"
     # GPU index pools hold indexes over this many times the KV slots (requests that adopt one cached prefix
     # share one copy of its index); charged to SGLang's memory plan per KV slot.
     index_pool_scale: float = 1.0
@@ -81,7 +86,7 @@ class SparseKVConfig:
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand", "radius_weight", "index_pool_scale", "head_roles",
+                   "kmeans_iters", "coarse_expand", "radius_weight", "fine_bound", "index_pool_scale", "head_roles",
                    "rerank_factor", "select_every", "select_ahead"),
         "quest": ("page_size",),
     }
@@ -116,6 +121,8 @@ class SparseKVConfig:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be >= 0, got {getattr(self, k)}")
         if self.chunk_min > self.chunk_max:
             raise ConfigError(f"sparse-kv config: chunk_min ({self.chunk_min}) > chunk_max ({self.chunk_max})")
+        if self.fine_bound not in ("ball", "box"):
+            raise ConfigError(f"sparse-kv config: key 'fine_bound' must be 'ball' or 'box', got {self.fine_bound!r}")
         if self.chunking not in ("structure", "fixed"):
             raise ConfigError(f"sparse-kv config: key 'chunking' must be 'structure' or 'fixed', got {self.chunking!r}")
         if self.gqa_reduce not in ("max", "mean"):

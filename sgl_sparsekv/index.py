@@ -6,6 +6,11 @@ Every node keeps its centroid ``mu`` and a covering radius ``r`` such that for e
 
     q.k <= q.mu + |q| r = UB(q, node)
 
+Optionally (``fine_bound`` "box") every fine cluster also keeps the box of its tokens' raw keys, as a center ``c``
+and a half-width ``w`` per dimension, and fine clusters rank by ``q.c + |q|.w``: for every key ``k`` in the box,
+``q.k <= sum_i max(q_i lo_i, q_i hi_i)``, Quest's page bound, on the request's own chunks. A chunk's mean key
+averages away the one token a copying query needs; its box keeps it.
+
 A coarse unit's radius covers its descendants' *chunks* (``max |mu_c - mu_g| + r_c`` over its
 fine clusters), not only the fine centroids, so a coarse bound is never below any of its
 children's bounds: pruning by coarse bounds never drops a cluster that the fine bounds would
@@ -29,6 +34,9 @@ NEG_INF = float("-inf")
 # bounds hold exactly for what the kernels read.
 CODE_DTYPE = torch.int8
 CODE_MAX = 127
+# fine boxes (``fine_bound`` "box") in bf16: int8 codes with one scale per box (as centroids are stored) lose the
+# small dimensions of keys with a few large ones, and with them what tells near-identical chunks apart
+BOX_DTYPE = torch.bfloat16
 
 
 def centroid_scale(mu: torch.Tensor) -> torch.Tensor:
@@ -53,6 +61,35 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def stored(mu: torch.Tensor) -> torch.Tensor:
     """fp32 centroids as the index pools store them (``quantize`` then ``dequantize``)."""
     return dequantize(*quantize(mu))
+
+
+def quantize_box(box: torch.Tensor) -> torch.Tensor:
+    """[..., 2, d] (center, half-width) -> the same in ``BOX_DTYPE``: the center rounds to the nearest value; the
+    half-width grows by the center's rounding and rounds up, so the stored box covers the original one. Storing a
+    stored box gives it back unchanged."""
+    center, half = box[..., 0, :].float(), box[..., 1, :].float()
+    c = center.to(BOX_DTYPE)
+    w = (center - c.float()).abs() + half
+    wb = w.to(BOX_DTYPE)
+    # round up: below w, the next value of the type (w >= 0: the next bit pattern)
+    wb = torch.where(wb.float() < w, (wb.view(torch.int16) + 1).view(BOX_DTYPE), wb)
+    return torch.stack([c, wb], -2)
+
+
+def box_from(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Per-dimension key bounds [..., d] -> the stored box [..., 2, d] that covers them (center, half-width); an
+    empty one (lo > hi, as an empty cluster's +inf / -inf) is the zero box."""
+    empty = (lo > hi).any(-1, keepdim=True)
+    lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
+    return quantize_box(torch.stack([(lo + hi) / 2, (hi - lo) / 2], -2)).float()
+
+
+def box_union(box: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grow: torch.Tensor) -> torch.Tensor:
+    """The stored box covering ``box`` [..., 2, d] and the keys in [lo, hi] [..., d]; where ``grow`` [...] is false
+    (an empty cluster: no member to keep covered) the keys' box alone."""
+    g = grow[..., None]
+    return box_from(torch.where(g, torch.minimum(box[..., 0, :] - box[..., 1, :], lo), lo),
+                    torch.where(g, torch.maximum(box[..., 0, :] + box[..., 1, :], hi), hi))
 
 
 def spherical_kmeans(x: torch.Tensor, k: int, iters: int):
@@ -103,6 +140,16 @@ class ClusterIndex:
     coarse_n: torch.Tensor     # [H, P] chunks per coarse unit
     coarse_tokens: torch.Tensor  # [H, P]
     chunk_fine: torch.Tensor   # [H, M] fine cluster of each chunk
+    # [H, L, 2, d] (center, half-width) of each fine cluster's token keys with fine_bound "box"; else [H, L, 2, 0]
+    fine_box: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.fine_box is None:
+            self.fine_box = self.fine_r.new_zeros(*self.fine_r.shape, 2, 0)
+
+    @property
+    def has_box(self) -> bool:
+        return self.fine_box.shape[-1] > 0
 
     @property
     def num_chunks(self) -> int:
@@ -117,8 +164,9 @@ class ClusterIndex:
     def pack(self) -> "PackedIndex":
         """The index with its centroids as int8 codes and scales (``quantize``), as the pools store it."""
         (fine, fine_scale), (coarse, coarse_scale) = quantize(self.fine_mu), quantize(self.coarse_mu)
-        rest = {k: v.clone() for k, v in vars(self).items() if not k.endswith("_mu")}
-        return PackedIndex(ClusterIndex(fine_mu=fine, coarse_mu=coarse, **rest), fine_scale, coarse_scale)
+        rest = {k: v.clone() for k, v in vars(self).items() if not k.endswith("_mu") and k != "fine_box"}
+        return PackedIndex(ClusterIndex(fine_mu=fine, coarse_mu=coarse, fine_box=quantize_box(self.fine_box), **rest),
+                           fine_scale, coarse_scale)
 
 
 @dataclass
@@ -126,7 +174,7 @@ class PackedIndex:
     """A ClusterIndex as the index pools hold it and the index cache keeps it: each centroid as its int8 codes
     and power-of-two scale. Exact for stored centroids (``stored``), in half of bf16's bytes."""
 
-    index: ClusterIndex          # its fine_mu / coarse_mu hold the codes
+    index: ClusterIndex          # its fine_mu / coarse_mu hold the codes, its fine_box the boxes in BOX_DTYPE
     fine_scale: torch.Tensor     # [H, L]
     coarse_scale: torch.Tensor   # [H, P]
 
@@ -141,17 +189,17 @@ class PackedIndex:
         """The index with fp32 centroids (new tensors for them; the rest shared)."""
         ix = self.index
         return ClusterIndex(**{**vars(ix), "fine_mu": dequantize(ix.fine_mu, self.fine_scale),
-                               "coarse_mu": dequantize(ix.coarse_mu, self.coarse_scale)})
+                               "coarse_mu": dequantize(ix.coarse_mu, self.coarse_scale), "fine_box": ix.fine_box.float()})
 
 
-def empty_index(H: int, d: int, device) -> ClusterIndex:
+def empty_index(H: int, d: int, device, box: bool = False) -> ClusterIndex:
     """No chunk yet: one empty fine cluster under one empty coarse unit, for the first graft to fill (the own
     segment of a request whose whole prompt is an adopted prefix)."""
     def zeros(*shape):
         return torch.zeros(H, *shape, device=device)
 
     return ClusterIndex(zeros(1, d), zeros(1) + NEG_INF, zeros(1), zeros(1), zeros(1).long(), zeros(1, d),
-                        zeros(1) + NEG_INF, zeros(1), zeros(1), zeros(0).long())
+                        zeros(1) + NEG_INF, zeros(1), zeros(1), zeros(0).long(), zeros(1, 2, d if box else 0))
 
 
 def union(a: ClusterIndex, b: ClusterIndex) -> ClusterIndex:
@@ -187,48 +235,59 @@ def cluster_counts(num_chunks: int, fine_cluster_size: float, max_coarse: int) -
     return L, P
 
 
-def _group_by_parent(fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine):
+def _group_by_parent(fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine, fine_box):
     """Fine clusters reordered by coarse unit (stable), and chunk_fine renumbered to match: a step's live clusters
     (its expanded units' children) are then contiguous runs, and the fine-bounds kernel skips every block of rows
     without one."""
     order = torch.sort(fine_parent, dim=-1, stable=True).indices
     fine_mu = fine_mu.gather(1, order[..., None].expand(-1, -1, fine_mu.shape[-1]))
+    fine_box = fine_box.gather(1, order[..., None, None].expand(-1, -1, *fine_box.shape[2:]))
     fine_r, fine_n, fine_tokens, fine_parent = (t.gather(1, order) for t in (fine_r, fine_n, fine_tokens, fine_parent))
-    return fine_mu, fine_r, fine_n, fine_tokens, fine_parent, torch.argsort(order, dim=-1).gather(1, chunk_fine)
+    return (fine_mu, fine_r, fine_n, fine_tokens, fine_parent, torch.argsort(order, dim=-1).gather(1, chunk_fine),
+            fine_box)
 
 
-def _fine_level(keys: torch.Tensor, chunk_len: torch.Tensor, L: int, iters: int):
-    """Chunks -> L fine clusters: (mu, r, chunk count, tokens) per cluster and each chunk's cluster."""
+def _fine_level(keys: torch.Tensor, chunk_len: torch.Tensor, L: int, iters: int, chunk_box: torch.Tensor | None):
+    """Chunks -> L fine clusters: (mu, r, chunk count, tokens) per cluster, each chunk's cluster, and each
+    cluster's box over its chunks' boxes (``chunk_box`` [H, M, 2, d] key min and max; none: [H, L, 2, 0])."""
     H, M, d = keys.shape
     fine_mu, chunk_fine = spherical_kmeans(keys, L, iters)
     fine_mu = stored(fine_mu)
     dist = (keys - fine_mu.gather(1, chunk_fine[..., None].expand(-1, -1, d))).norm(dim=-1)
     L = fine_mu.shape[1]
+    if chunk_box is None:
+        fine_box = keys.new_zeros(H, L, 2, 0)
+    else:
+        at = chunk_fine[..., None].expand(-1, -1, d)
+        lo = keys.new_full((H, L, d), float("inf")).scatter_reduce_(1, at, chunk_box[:, :, 0].float(), "amin")
+        hi = keys.new_full((H, L, d), NEG_INF).scatter_reduce_(1, at, chunk_box[:, :, 1].float(), "amax")
+        fine_box = box_from(lo, hi)
     return (fine_mu, scatter_max(dist, chunk_fine, L), scatter_sum(torch.ones_like(dist), chunk_fine, L),
-            scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L), chunk_fine)
+            scatter_sum(chunk_len.to(keys.dtype).expand(H, -1), chunk_fine, L), chunk_fine, fine_box)
 
 
-def _coarse_level(fine_mu, fine_r, fine_n, fine_tokens, chunk_fine, P: int, iters: int) -> ClusterIndex:
+def _coarse_level(fine_mu, fine_r, fine_n, fine_tokens, chunk_fine, fine_box, P: int, iters: int) -> ClusterIndex:
     """Fine clusters -> P coarse units; the whole index, fine clusters grouped by coarse unit."""
     d = fine_mu.shape[-1]
     coarse_mu, fine_parent = spherical_kmeans(fine_mu, P, iters)
     coarse_mu = stored(coarse_mu)
     P = coarse_mu.shape[1]
-    fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine = _group_by_parent(
-        fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine)
+    fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine, fine_box = _group_by_parent(
+        fine_mu, fine_r, fine_n, fine_tokens, fine_parent, chunk_fine, fine_box)
     reach = (fine_mu - coarse_mu.gather(1, fine_parent[..., None].expand(-1, -1, d))).norm(dim=-1) + fine_r
     coarse_r = scatter_max(reach, fine_parent, P)  # empty fine clusters carry -inf
     coarse_n = scatter_sum(fine_n, fine_parent, P)
     coarse_tokens = scatter_sum(fine_tokens, fine_parent, P)
     return ClusterIndex(fine_mu, fine_r, fine_n, fine_tokens, fine_parent,
-                        coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine)
+                        coarse_mu, coarse_r, coarse_n, coarse_tokens, chunk_fine, fine_box)
 
 
 def build_index(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float,
-                max_coarse: int, iters: int) -> ClusterIndex:
-    """keys: [H, M, d] unit chunk keys; chunk_len: [M] tokens per chunk."""
+                max_coarse: int, iters: int, chunk_box: torch.Tensor | None = None) -> ClusterIndex:
+    """keys: [H, M, d] unit chunk keys; chunk_len: [M] tokens per chunk; chunk_box: [H, M, 2, d] each chunk's key
+    min and max, for fine boxes (``fine_bound`` "box")."""
     L, P = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
-    return _coarse_level(*_fine_level(keys, chunk_len, L, iters), P, iters)
+    return _coarse_level(*_fine_level(keys, chunk_len, L, iters, chunk_box), P, iters)
 
 
 def _in_head_groups(build, H: int, per_head: int, max_bytes: int) -> ClusterIndex:
@@ -248,10 +307,11 @@ def _bytes_per_head(keys: torch.Tensor, L: int) -> int:
 
 
 def build_index_grouped(keys: torch.Tensor, chunk_len: torch.Tensor, fine_cluster_size: float, max_coarse: int,
-                        iters: int, max_bytes: int = 1 << 30) -> ClusterIndex:
+                        iters: int, max_bytes: int = 1 << 30, chunk_box: torch.Tensor | None = None) -> ClusterIndex:
     """``build_index`` over many heads (e.g. every layer's), a group of heads at a time."""
     L, _ = cluster_counts(keys.shape[1], fine_cluster_size, max_coarse)
-    return _in_head_groups(lambda h: build_index(keys[h], chunk_len, fine_cluster_size, max_coarse, iters),
+    return _in_head_groups(lambda h: build_index(keys[h], chunk_len, fine_cluster_size, max_coarse, iters,
+                                                 None if chunk_box is None else chunk_box[h]),
                            keys.shape[0], _bytes_per_head(keys, L), max_bytes)
 
 
@@ -265,9 +325,10 @@ def precompile_build(d: int, device, fine_cluster_size: float, max_coarse: int, 
                         max_coarse, iters)
 
 
-def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
+def graft(index: ClusterIndex, key: torch.Tensor, length, box: torch.Tensor | None = None) -> torch.Tensor:
     """Lazy update: add one chunk (``key`` [..., d]) to its nearest fine cluster, in place; returns that
-    cluster [...]. Any leading head dims: [H] for one layer, or [Ls, H] of the index pools' rows
+    cluster [...]. With fine boxes, ``box`` [..., 2, d] is the chunk's key min and max, which the cluster's box
+    grows to cover. Any leading head dims: [H] for one layer, or [Ls, H] of the index pools' rows
     (``IndexPools.view``, for ``kernels/graft.py``'s twin, which stores the centroids back); ``chunk_fine`` is left
     to the caller.
 
@@ -293,6 +354,12 @@ def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     index.fine_r.scatter_(-1, c, new_r_c)
     index.fine_n.scatter_(-1, c, n_c + 1)
     index.fine_tokens.scatter_(-1, c, at(index.fine_tokens, c) + length)
+    if index.has_box:
+        fb = index.fine_box
+        at_box = c[..., None, None].expand(*c.shape, *fb.shape[-2:])
+        new_box = box_union(fb.gather(-3, at_box)[..., 0, :, :].float(), box[..., 0, :].float(),
+                            box[..., 1, :].float(), n_c[..., 0] > 0)
+        fb.scatter_(-3, at_box, new_box[..., None, :, :].to(fb.dtype))
 
     g = at(index.fine_parent, c).long()
     n_g = at(index.coarse_n, g)
@@ -308,9 +375,9 @@ def graft(index: ClusterIndex, key: torch.Tensor, length) -> torch.Tensor:
     return c[..., 0]
 
 
-def graft_chunk(index: ClusterIndex, key: torch.Tensor, length: int) -> None:
+def graft_chunk(index: ClusterIndex, key: torch.Tensor, length: int, box: torch.Tensor | None = None) -> None:
     """``graft`` one chunk into one layer's index [H, ...] and record its cluster."""
-    c = graft(index, key, length)
+    c = graft(index, key, length, box)
     index.chunk_fine = torch.cat([index.chunk_fine, c[:, None]], dim=1)
 
 
@@ -324,3 +391,12 @@ def upper_bound(q: torch.Tensor, mu: torch.Tensor, r: torch.Tensor, reduce: str)
         q = q.mean(dim=1, keepdim=True)
     ub = torch.einsum("hgd,hnd->hgn", q, mu) + q.norm(dim=-1)[..., None] * r[:, None, :]
     return ub.amax(dim=1)
+
+
+def box_bound(q: torch.Tensor, box: torch.Tensor, weight: float, reduce: str) -> torch.Tensor:
+    """Ranking score of every fine box for a GQA group: q.c + weight |q|.w (weight 1: Quest's bound, the largest
+    q.k over the box). q: [H, G, d]; box: [H, N, 2, d] -> [H, N]; ``reduce`` as in :func:`upper_bound`."""
+    if reduce == "mean":
+        q = q.mean(dim=1, keepdim=True)
+    s = torch.einsum("hgd,hnd->hgn", q, box[..., 0, :]) + weight * torch.einsum("hgd,hnd->hgn", q.abs(), box[..., 1, :])
+    return s.amax(dim=1)

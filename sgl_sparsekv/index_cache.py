@@ -15,7 +15,7 @@ Least recently used entries beyond ``max_entries`` go, releasing their units.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -88,8 +88,7 @@ class IndexCache:
         """The entry's index over its first ``shared`` units (new tensors where they differ; the entry's stay)."""
         entry = self.entries[eid]
         packed = entry.index
-        return PackedIndex(truncate(ClusterIndex(**vars(packed.index)), entry.lengths, shared), packed.fine_scale,
-                           packed.coarse_scale)
+        return replace(packed, index=truncate(ClusterIndex(**vars(packed.index)), entry.lengths, shared))
 
     def add(self, units: list[int], lengths: torch.Tensor, packed: PackedIndex) -> None:
         """Cache the packed index over exactly ``units`` (replacing the entry of the same chain); the entry keeps

@@ -8,6 +8,7 @@ grafting decoded chunks only writes rows.
 
     coarse  mu [Ls, C, H, d]  scale/r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  scale/r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
+    box     [Ls, F, H, 2, d] (center, half-width in bf16; fine_bound "box", else d = 0)
     (centroids mu as int8 codes times their row's power-of-two scale, ``index.quantize``; the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, recount, union
+from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, quantize_box,
+                                recount, union)
 
 
 class RangeAllocator:
@@ -97,9 +99,10 @@ class PoolCapacity:
     fine: int
     chunks: int
 
-    def nbytes(self, layers: int, heads: int, head_dim: int) -> int:
+    def nbytes(self, layers: int, heads: int, head_dim: int, box: bool = False) -> int:
         node = heads * (head_dim * CODE_DTYPE.itemsize + 4 * 4)   # mu; scale, r, tok, n in fp32
-        per_layer = self.coarse * node + self.fine * (node + heads * 4) + self.chunks * heads * 4
+        fine = node + heads * 4 + box * heads * 2 * head_dim * BOX_DTYPE.itemsize   # parent; the box
+        per_layer = self.coarse * node + self.fine * fine + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
 
@@ -118,7 +121,7 @@ def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
 
 
 class IndexPools:
-    def __init__(self, cap: PoolCapacity, layers: int, heads: int, head_dim: int, device):
+    def __init__(self, cap: PoolCapacity, layers: int, heads: int, head_dim: int, device, box: bool = False):
         def f32(*shape):
             return torch.zeros(*shape, dtype=torch.float32, device=device)
 
@@ -130,6 +133,8 @@ class IndexPools:
                                                                             for _ in range(4))
         self.fmu, self.fsc, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(4))
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
+        self.box = box
+        self.fbox = torch.zeros(layers, cap.fine, heads, 2, head_dim if box else 0, dtype=BOX_DTYPE, device=device)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
         self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -140,7 +145,7 @@ class IndexPools:
         self.shared: dict[object, list] = {}   # key -> [PoolRanges, references] of the shared segments
 
     def nbytes(self) -> int:
-        return self.capacity.nbytes(self.layers, self.heads, self.head_dim)
+        return self.capacity.nbytes(self.layers, self.heads, self.head_dim, self.box)
 
     def fill(self) -> dict:
         """Rows in use and capacity of each pool, for /server_info and /metrics."""
@@ -190,6 +195,10 @@ class IndexPools:
                 ((self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
 
+    def box_layer(self, l: int):
+        """Sparse layer ``l``'s fine boxes [F, H, 2, d], or None without them (``kernels/select.py``)."""
+        return self.fbox[l] if self.box else None
+
     def view(self, co: int, fo: int, L: int) -> ClusterIndex:
         """The rows of one range as a ClusterIndex of [Ls, H, ...] tensors, coarse rows from ``co`` up to the last
         parent of its fine clusters (the parents index them); no chunk rows. Radii and counts are views (written
@@ -202,13 +211,21 @@ class IndexPools:
         return ClusterIndex(fine_mu=t(dequantize(self.fmu[:, f], self.fsc[:, f])), fine_r=t(self.fr[:, f]),
                             fine_n=t(self.fn[:, f]), fine_tokens=t(self.ftok[:, f]), fine_parent=t(self.fpar[:, f]),
                             coarse_mu=t(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=t(self.cr[:, c]),
-                            coarse_n=t(self.cn[:, c]), coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]))
+                            coarse_n=t(self.cn[:, c]), coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]),
+                            fine_box=t(self._box(f)))
 
     def store_view(self, view: ClusterIndex, co: int, fo: int) -> None:
-        """Write the centroids of :meth:`view`'s index back (unchanged rows store as they were)."""
+        """Write the centroids and boxes of :meth:`view`'s index back (unchanged rows store as they were)."""
         for codes, scale, mu, start in ((self.fmu, self.fsc, view.fine_mu, fo), (self.cmu, self.csc, view.coarse_mu, co)):
             rows = slice(start, start + mu.shape[2])
             codes[:, rows], scale[:, rows] = quantize(mu.transpose(1, 2))
+        if self.box:
+            rows = slice(fo, fo + view.fine_box.shape[2])
+            self.fbox[:, rows] = quantize_box(view.fine_box.transpose(1, 2))
+
+    def _box(self, f: slice) -> torch.Tensor:
+        """fp32 boxes [Ls, L, H, 2, d] of fine rows ``f`` (d = 0 without boxes)."""
+        return self.fbox[:, f].float()
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
@@ -231,6 +248,9 @@ class IndexPools:
         for dst, src in ((self.fmu, ix.fine_mu), (self.fsc, packed.fine_scale), (self.fr, ix.fine_r),
                          (self.ftok, ix.fine_tokens), (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
             dst[:, f] = self._split(src)
+        if self.box:
+            assert ix.has_box, "an index without fine boxes loaded into pools with them"
+            self.fbox[:, f] = self._split(ix.fine_box)
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)
@@ -261,7 +281,8 @@ class IndexPools:
                             fine_n=j(self.fn[:, f]), fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
                             coarse_mu=j(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=j(self.cr[:, c]),
                             coarse_n=j(self.cn[:, c]),
-                            coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long())
+                            coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long(),
+                            fine_box=j(self._box(f)))
 
     def add_chunks(self, rng: PoolRanges, n: int) -> int | None:
         """Reserve the next ``n`` chunk rows of a range (moving it to a bigger range when it lacks room); the

@@ -163,7 +163,7 @@ def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, hea
     layers = max(0, num_layers - cfg.dense_layers)
     per = layers * num_kv_heads * vecs_per_unit(cfg) * head_dim * summary_bytes / unit_min(cfg)
     if cfg.method == "lychee":
-        per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim) / (1 << 20)
+        per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim, cfg.fine_bound == "box") / (1 << 20)
     return int(per * 1.01) + 1   # 1% for the few fixed rows the capacities add
 
 
@@ -197,7 +197,7 @@ class SparseKVManager:
         self.index_cache = IndexCache(self.store)
         if pooled:
             self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
-                                    self.device)
+                                    self.device, box=cfg.fine_bound == "box")
             if self.use_kernels:
                 precompile_graft(self.pools, self.key_dtype)
                 self._precompile_build()
@@ -417,10 +417,12 @@ class SparseKVManager:
                         k_buffers)
 
     def chunk_keys(self, plan: PoolPlan, k_buffers) -> torch.Tensor:
-        """[sparse layers, spans, H, 1, d]: the L2-normalized mean key of each of the plan's spans (output rows 0,
-        1, ...), pooled from the KV for every sparse layer at once, rounded to ``key_dtype`` (the KV's on the GPU:
-        the kernels and their twins then agree on every bit that clustering and grafting see)."""
-        out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 1, self.pools.head_dim,
+        """[sparse layers, spans, H, vecs, d]: the L2-normalized mean key of each of the plan's spans (output rows 0,
+        1, ...), then with fine boxes its keys' min and max (vecs 3, else 1), pooled from the KV for every sparse
+        layer at once, rounded to ``key_dtype`` (the KV's on the GPU: the kernels and their twins then agree on
+        every bit that clustering and grafting see)."""
+        box = self.pools.box
+        out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 3 if box else 1, self.pools.head_dim,
                           dtype=self.key_dtype, device=self.device)
         layers = range(self.cfg.dense_layers, self.num_layers)
         if not plan.spans or not layers:
@@ -428,7 +430,9 @@ class SparseKVManager:
         if not self.use_kernels:
             ids, slots, indptr, _, _ = plan.packed(self.device)
             for i, l in enumerate(layers):
-                out[i, ids] = summarize_units(k_buffers(l), slots, indptr, False).unsqueeze(2).to(out.dtype)
+                out[i, ids, :, :1] = summarize_units(k_buffers(l), slots, indptr, False).unsqueeze(2).to(out.dtype)
+                if box:
+                    out[i, ids, :, 1:] = summarize_units(k_buffers(l), slots, indptr, True).to(out.dtype)
             return out
         # one launch reads every sparse layer's key buffer through a table of base addresses; the KV pool
         # allocates its buffers once, so the first and last layers' addresses stand for the table
@@ -442,6 +446,8 @@ class SparseKVManager:
             self._k_ptrs = (key, to_device(ptrs, self.device))
         ids, slots, indptr, _, _ = plan.packed(self.device)
         pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, False)
+        if box:
+            pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out[:, :, :, 1:], True)
         return out
 
     def _precompile_build(self) -> None:
@@ -496,12 +502,14 @@ class SparseKVManager:
             plan = PoolPlan(req_to_token)
             for j, (a, b) in enumerate(zip(state.starts[shared:], state.ends[shared:])):
                 plan.add(j, state.row, a, b)
-            keys = self.chunk_keys(plan, k_buffers)[:, :, :, 0].float()               # [Ls, M, H, d]
-            keys = keys.permute(0, 2, 1, 3).reshape(Ls * H, len(state.units) - shared, d)
+            vecs = self.chunk_keys(plan, k_buffers).float()                         # [Ls, M, H, 1 or 3, d]
+            M = len(state.units) - shared
+            keys = vecs[:, :, :, 0].permute(0, 2, 1, 3).reshape(Ls * H, M, d)
+            boxes = vecs[:, :, :, 1:].permute(0, 2, 1, 3, 4).reshape(Ls * H, M, 2, d) if self.pools.box else None
             t1 = time.perf_counter()
             c = self.cfg
             packed = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse,
-                                         c.kmeans_iters).pack()
+                                         c.kmeans_iters, chunk_box=boxes).pack()
             if seg is None:
                 self.stats["index_builds"] += 1
                 self.stats["build_chunks"] += len(state.units)
@@ -514,7 +522,7 @@ class SparseKVManager:
             self.stats["build_cluster_s"] += t2 - t1
             self.stats["index_build_s"] += t2 - t0
         else:   # the whole prompt is the cached prefix: its own segment starts empty, for the grafts
-            packed = empty_index(Ls * H, d, self.device).pack()
+            packed = empty_index(Ls * H, d, self.device, self.pools.box).pack()
             t2 = time.perf_counter()
         n = len(state.units) - shared
         state.pool = self.pools.load(packed, starts[shared:], lengths[shared:], room=max(64, n // 4))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_sparsekv.index import NEG_INF, ClusterIndex, upper_bound
+from sgl_sparsekv.index import NEG_INF, ClusterIndex, box_bound, upper_bound
 
 
 def _prefix_within(sizes_sorted: torch.Tensor, valid_sorted: torch.Tensor, budget: float) -> torch.Tensor:
@@ -30,7 +30,7 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
     """Fine clusters to attend: bool [H, L]. q: [H, G, d] the layer's query heads per KV head.
 
     ``radius_weight`` scales the radius term of every bound: 1 ranks by the upper bound, 0 by the centroid's
-    score alone (config key ``radius_weight``)."""
+    score alone (config key ``radius_weight``); with fine boxes it scales their half-widths alike."""
     H, L = index.fine_r.shape
     if not torch.is_tensor(budget) and budget <= 0:   # a tensor budget [H, 1] (one per head) is analysis only
         return torch.zeros(H, L, dtype=torch.bool, device=q.device)
@@ -46,7 +46,10 @@ def select_clusters(index: ClusterIndex, q: torch.Tensor, budget: int, coarse_ex
     expand_sorted = (before < coarse_expand * budget) & torch.isfinite(ub_g.gather(1, order))
     expanded = torch.zeros_like(expand_sorted).scatter_(1, order, expand_sorted)
 
-    ub_c = upper_bound(q, index.fine_mu, weighted(index.fine_r), reduce)
+    if index.has_box:
+        ub_c = box_bound(q, index.fine_box, radius_weight, reduce)
+    else:
+        ub_c = upper_bound(q, index.fine_mu, weighted(index.fine_r), reduce)
     live = expanded.gather(1, index.fine_parent) & (index.fine_n > 0)
     ub_c = ub_c.masked_fill(~live, NEG_INF)
     order = torch.sort(ub_c, dim=-1, descending=True, stable=True).indices

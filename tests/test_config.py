@@ -41,6 +41,8 @@ def test_shipped_configs_load():
     ("lychee", {"sink_tokens": -1}, "key 'sink_tokens' must be >= 0"),
     ("lychee", {"recent_window": 8}, "recent_window (8) must be >="),
     ("lychee", {"chunking": "words"}, "key 'chunking' must be 'structure' or 'fixed'"),
+    ("lychee", {"fine_bound": "sphere"}, "key 'fine_bound' must be 'ball' or 'box'"),
+    ("quest", {"fine_bound": "box"}, "fine_bound"),
     ("lychee", {"gqa_reduce": "sum"}, "key 'gqa_reduce' must be 'max' or 'mean'"),
     ("lychee", {"coarse_expand": 0.5}, "key 'coarse_expand' must be >= 1"),
     ("lychee", {"radius_weight": 1.5}, "key 'radius_weight' must be in [0, 1]"),

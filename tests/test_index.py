@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import (ClusterIndex, build_index, build_index_grouped, cluster_counts, graft_chunk, union,
-                                upper_bound)
+from sgl_sparsekv.index import (ClusterIndex, box_bound, build_index, build_index_grouped, cluster_counts, graft_chunk,
+                                quantize_box, union, upper_bound)
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
 
@@ -324,3 +324,68 @@ def test_budget_per_head_selects_what_each_heads_own_budget_selects():
     got = select_clusters(index, q, torch.tensor(budgets, dtype=torch.float32)[:, None], 4.0, "max", 0.25)
     for h, b in enumerate(budgets):
         assert torch.equal(got[h], select_clusters(index, q, b, 4.0, "max", 0.25)[h])
+
+
+def _token_chunks(H, M, d, gen, needle=None):
+    """Raw token keys [H, T, d] of M chunks of 8-16 tokens, and per chunk its unit key, key min and max and
+    length. ``needle`` (a direction [H, d]): the tokens lean toward it, those of chunk 0 less than the others,
+    and one token of chunk 0 points along it, strongly."""
+    lengths = torch.randint(8, 17, (M,), generator=gen)
+    toks = torch.randn(H, int(lengths.sum()), d, generator=gen)
+    if needle is not None:
+        toks = 0.3 * toks + 1.5 * needle[:, None]
+        toks[:, :int(lengths[0])] -= 0.9 * needle[:, None]
+        toks[:, 3] = 6 * needle
+    ends = torch.cumsum(lengths, 0)
+    spans = [slice(int(e - n), int(e)) for e, n in zip(ends, lengths)]
+    keys = F.normalize(torch.stack([toks[:, sp].mean(1) for sp in spans], 1), dim=-1)
+    boxes = torch.stack([torch.stack([toks[:, sp].amin(1), toks[:, sp].amax(1)], 1) for sp in spans], 1)
+    return toks, spans, keys, boxes, lengths
+
+
+def test_fine_boxes_bound_every_token_key_through_builds_grafts_and_storage():
+    """Every fine box covers the raw keys of every token of its chunks, so its bound at weight 1 is Quest's
+    sum_i max(q_i lo_i, q_i hi_i) and never below any of those tokens' q.k; grafts grow boxes to cover the new
+    chunk's tokens as well; storing a stored box gives it back."""
+    gen = torch.Generator().manual_seed(5)
+    H, M, d, G = 2, 60, 16, 3
+    toks, spans, keys, boxes, lengths = _token_chunks(H, M + 10, d, gen)
+    ix = build_index(keys[:, :M], lengths[:M], 2.0, 64, 5, boxes[:, :M])
+    for m in range(M, M + 10):
+        graft_chunk(ix, keys[:, m], int(lengths[m]), boxes[:, m])
+    assert ix.has_box and ix.fine_box.shape == (H, ix.fine_r.shape[1], 2, d)
+    lo, hi = ix.fine_box[..., 0, :] - ix.fine_box[..., 1, :], ix.fine_box[..., 0, :] + ix.fine_box[..., 1, :]
+    q = torch.randn(H, G, d, generator=gen)
+    bound = box_bound(q, ix.fine_box, 1.0, "max")
+    quest = torch.maximum(q[:, :, None] * lo[:, None], q[:, :, None] * hi[:, None]).sum(-1).amax(1)
+    assert torch.allclose(bound, quest, atol=1e-4)
+    for m, sp in enumerate(spans):
+        c = ix.chunk_fine[:, m]                                                    # [H]
+        t = toks[:, sp]                                                            # [H, n, d]
+        at = c[:, None, None].expand(-1, 1, d)
+        assert (t >= lo.gather(1, at) - 1e-5).all() and (t <= hi.gather(1, at) + 1e-5).all(), m
+        best = torch.einsum("hgd,hnd->hgn", q, t).amax(-1).amax(-1)
+        assert (bound.gather(1, c[:, None])[:, 0] >= best - 1e-4).all(), m
+    assert torch.equal(quantize_box(ix.fine_box).float(), ix.fine_box)
+    packed = ix.pack()
+    assert torch.equal(packed.unpack().fine_box, ix.fine_box)
+    back = union(packed.unpack(), ix)
+    assert torch.equal(back.fine_box, torch.cat([ix.fine_box, ix.fine_box], 1))
+
+
+def test_boxes_find_the_token_a_chunk_mean_hides():
+    """One token of chunk 0 matches the query strongly; the other chunks' tokens all lean toward it more than
+    chunk 0's others do, so chunk 0's mean key ranks below theirs. At a budget of one chunk the boxes take chunk 0 in every head; the
+    centroids, ranked by their bounds, do not."""
+    gen = torch.Generator().manual_seed(0)
+    H, M, d = 2, 80, 32
+    needle = F.normalize(torch.randn(H, d, generator=gen), dim=-1)
+    _, _, keys, boxes, lengths = _token_chunks(H, M, d, gen, needle)
+    q = needle[:, None]                                                            # [H, 1, d]
+    ix = build_index(keys, lengths, 1.0, 64, 5, boxes)
+    ball = ClusterIndex(**{**vars(ix), "fine_box": None})
+    budget = int(lengths[0])
+    by_box = select_chunks(ix, q, budget, 1e6, "max", 1.0)
+    by_ball = select_chunks(ball, q, budget, 1e6, "max", 1.0)
+    assert by_box[:, 0].all() and by_box.sum(1).tolist() == [1] * H
+    assert not by_ball[:, 0].any()

@@ -38,23 +38,35 @@ def test_range_allocator_first_fit_and_merge():
     assert a.free_rows == 100 and a.alloc(100) == 0
 
 
+def chunk_boxes(keys: torch.Tensor, gen) -> torch.Tensor:
+    """Made-up key min and max [..., 2, d] of chunks around their keys [..., d]."""
+    spread = torch.rand(*keys.shape, 2, generator=gen)
+    return torch.stack([keys - spread[..., 0], keys + spread[..., 1]], -2)
+
+
+@pytest.mark.parametrize("box", [False, True])
 @pytest.mark.parametrize("graft_fn,dev", [(graft_chunks, "cpu"), (graft_chunks_ref, "cpu"),
                                           pytest.param(graft_chunks, "cuda", marks=pytest.mark.gpu)])
-def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev):
+def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev, box):
     """load -> export is lossless; one graft launch over two requests' backlogs equals index.graft chunk after chunk,
     on every layer and head: a request's later chunks (here near one another, so they meet in one cluster) see its
-    earlier grafts."""
+    earlier grafts. ``box``: fine boxes, which the grafts grow over the chunks' key bounds."""
     gen = torch.Generator().manual_seed(1)
     Ls, M, d = 2, 40, 16
-    pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, H, d, dev)
-    pools.load(build_index(torch.nn.functional.normalize(torch.randn(Ls * H, 8, d, generator=gen), dim=-1),
-                           torch.full((8,), 12), 2.0, 64, 5).pack(),
+
+    def build(keys, lengths):
+        return build_index(keys, lengths, 2.0, 64, 5, chunk_boxes(keys, gen) if box else None)
+
+    pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, H, d, dev, box=box)
+    pools.load(build(torch.nn.functional.normalize(torch.randn(Ls * H, 8, d, generator=gen), dim=-1),
+                     torch.full((8,), 12)).pack(),
                torch.zeros(8, dtype=torch.int32), torch.ones(8, dtype=torch.int32), 4)   # someone else's rows
     refs, ranges = [], []
     for m in (M, M // 2):
         keys = torch.nn.functional.normalize(torch.randn(Ls * H, m, d, generator=gen), dim=-1)
         lengths = torch.randint(8, 17, (m,), generator=gen)
-        ix = build_index(keys, lengths, 2.0, 64, 5)
+        ix = build(keys, lengths)
+        assert ix.has_box == box
         rng = pools.load(ix.pack(), torch.cumsum(lengths, 0) - lengths, lengths, room=2)
         back = pools.export(rng)
         for name, t in vars(ix).items():
@@ -66,12 +78,15 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev):
     new = torch.randn(Ls, 8, H, 1, d, generator=gen)
     new[:, 1:6] = new[:, :1] + 0.2 * new[:, 1:6]
     new = torch.nn.functional.normalize(new, dim=-1)
+    if box:   # the chunks' key bounds ride beside their keys, as SparseKVManager.chunk_keys lays them out
+        new = torch.cat([new, chunk_boxes(new[:, :, :, 0], gen)], 3)
     lengths, starts = torch.tensor([9, 16, 12, 10, 11, 8, 13, 14]), torch.arange(8) * 16 + 500
     jobs, backlogs = [], ((0, 6), (6, 2))
     for (k0, n), ref, rng in zip(backlogs, refs, ranges):
         jobs.append([k0, n, rng.fo, rng.L, rng.co, pools.add_chunks(rng, n)])
         for kr in range(k0, k0 + n):
-            graft_chunk(ref, new[:, kr, :, 0].reshape(Ls * H, d), int(lengths[kr]))
+            graft_chunk(ref, new[:, kr, :, 0].reshape(Ls * H, d), int(lengths[kr]),
+                        new[:, kr, :, 1:].reshape(Ls * H, 2, d) if box else None)
     near = refs[0].chunk_fine[:, M:M + 6]
     assert (near == near[:, :1]).all(1).float().mean() > 0.5   # mostly one cluster: grafts build on each other
     graft_fn(pools, new.to(dev), torch.tensor(jobs, device=dev).T.contiguous(), lengths.to(dev), starts.to(dev))
@@ -256,9 +271,9 @@ class TwinWorld(World):
         return eager_first_steps(True, runner, batch)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_pooled_decode_equals_spec_under_radix_history(seed):
-    w = TwinWorld(seed)
+@pytest.mark.parametrize("seed,overrides", [(0, None), (1, None), (2, {"fine_bound": "box", "radius_weight": 1.0})])
+def test_pooled_decode_equals_spec_under_radix_history(seed, overrides):
+    w = TwinWorld(seed, overrides)
     w.rng = random.Random(seed)
     w.random_history(14, 0.4, 12)
     for _ in range(6):
@@ -448,11 +463,11 @@ def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("no_sync,roles,rerank,every", [(False, "all-retrieval", 1, 1), (True, "all-retrieval", 1, 1),
-                                                        (False, "staggered-0.5", 1, 1), (True, "staggered-0.5", 2, 1),
-                                                        (True, "all-retrieval", 1, 4),
-                                                        (True, "all-retrieval", 1, "ahead")])
-def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, monkeypatch):
+@pytest.mark.parametrize("no_sync,roles,rerank,every,bound", [
+    (False, "all-retrieval", 1, 1, "ball"), (True, "all-retrieval", 1, 1, "ball"), (False, "staggered-0.5", 1, 1, "ball"),
+    (True, "staggered-0.5", 2, 1, "ball"), (True, "all-retrieval", 1, 4, "ball"), (True, "all-retrieval", 1, "ahead", "ball"),
+    (True, "all-retrieval", 1, 1, "box")])
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
     selected, and those lists are the ones the same orchestration picks with the kernels' torch twins (twin grafts,
@@ -464,7 +479,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     factor (its candidates' keys scored in the graph too). ``every``: select_every (lists kept per layer across
     steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
-    twin selects with this step's query."""
+    twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels)."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.patches.backend import join_after_forward
 
@@ -477,7 +492,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
                                                 "head_roles": roles, "rerank_factor": rerank, "select_every": every,
-                                                "select_ahead": ahead})
+                                                "select_ahead": ahead, "fine_bound": bound})
     lens = [20_000, 9_000, 31_000]
     slots = sum(lens) + 4096
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -592,19 +607,21 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     assert pooled.snapshot_stats()["unit_refs_unaccounted"] == 0
 
 
-def test_memory_charged_to_sglang_matches_what_is_allocated():
-    """bytes_per_token (added to SGLang's per-token KV cost) covers the pools really allocated; lychee keeps no
-    unit summaries, quest keeps them and no pools."""
+@pytest.mark.parametrize("bound", ["ball", "box"])
+def test_memory_charged_to_sglang_matches_what_is_allocated(bound):
+    """bytes_per_token (added to SGLang's per-token KV cost) covers the pools really allocated, fine boxes
+    included; lychee keeps no unit summaries, quest keeps them and no pools."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.index_pool import pool_capacity
     from sgl_sparsekv.manager import bytes_per_token
 
-    cfg = SparseKVConfig.from_method("lychee", {"dense_layers": 1})
+    cfg = SparseKVConfig.from_method("lychee", {"dense_layers": 1, "fine_bound": bound})
     slots = 1 << 18
     m = SparseKVManager(cfg, LAYERS, H, D, slots, boundary_table=synthetic_table())
     pools = m.pools
     allocated = sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
-    assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D)
+    assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D, bound == "box")
+    assert (pools.fbox.numel() > 0) == (bound == "box")
     assert m.store.summary is None
     charged = bytes_per_token(cfg, LAYERS, H, D) * slots
     assert allocated <= charged <= 1.03 * allocated

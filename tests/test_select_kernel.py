@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import build_index, empty_index, union, upper_bound
-from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, over_shared, pack, scratch,
-                                         select_fine, select_fine_ref)
+from sgl_sparsekv.index import ClusterIndex, build_index, empty_index, union, upper_bound
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, over_shared, pack, pack_box,
+                                         scratch, select_fine, select_fine_ref)
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,7 +19,8 @@ def own_rows(ranges, b):
     return slice(so, so + L)
 
 
-def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0):
+def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0, box=False):
+    """``box``: the indexes carry fine boxes over made-up chunk key bounds around their keys."""
     indexes, starts, lens, qs = [], [], [], []
     for b in range(bs):
         M = chunks_per_req[b]
@@ -29,7 +30,9 @@ def make_batch(bs, H, G, D, chunks_per_req, gen, noise=1.0):
                            dim=-1)
         ln = torch.randint(8, 17, (M,), generator=gen)
         st = torch.cumsum(ln, 0) - ln + 16  # chunks start after a 16-token sink
-        indexes.append(build_index(keys, ln, 2.0, 64, 5))
+        spread = torch.rand(H, M, 2, D, generator=gen)
+        boxes = torch.stack([keys - spread[:, :, 0], keys + spread[:, :, 1]], 2) if box else None
+        indexes.append(build_index(keys, ln, 2.0, 64, 5, boxes))
         starts.append(st)
         lens.append(ln)
         qs.append(torch.randn(H * G, D, generator=gen) * 2)
@@ -55,6 +58,33 @@ def test_select_fine_matches_reference(G, D, dtype):
             ref = select_clusters(ix, q[b].float().view(H, G, D), budgets[b], expand, "max", rw)
             got = sel[:, own_rows(ranges, b)] > 0
             assert torch.equal(got, ref), (b, expand, rw)
+
+
+@pytest.mark.parametrize("G,D,dtype", [(1, 64, torch.float32), (4, 128, torch.float32), (4, 128, torch.bfloat16),
+                                       (3, 64, torch.bfloat16)])
+def test_select_fine_by_boxes_matches_reference(G, D, dtype):
+    """Fine clusters ranked by their boxes (``fine_bound`` "box"): the kernel (FMA path for fp32 queries, tensor
+    cores for bf16), its twin and the reference pick the same clusters, and the boxes change the pick."""
+    gen = torch.Generator().manual_seed(G * 10 + D + 1)
+    bs, H = 3, 2
+    indexes, starts, lens, q = make_batch(bs, H, G, D, [40, 150, 7], gen, box=True)
+    q = q.to(dtype)
+    coarse, fine, chunks, ranges = pack(indexes, starts, lens, DEV)
+    box = pack_box(indexes, DEV)
+    budgets = torch.tensor([100, 400, 10_000], dtype=torch.int32, device=DEV)
+    changed = 0
+    for expand, parts, rw in ((1.0, 1, 1.0), (4.0, 3, 0.25), (1e6, 8, 1.0)):
+        sel = select_fine(q.to(DEV), coarse, fine, ranges, budgets, expand, parts=parts, radius_weight=rw,
+                          box=box).cpu()
+        twin = select_fine_ref(q.to(DEV), coarse, fine, ranges, budgets, expand, radius_weight=rw, box=box).cpu()
+        for b, ix in enumerate(indexes):
+            ref = select_clusters(ix, q[b].float().view(H, G, D), int(budgets[b]), expand, "max", rw)
+            assert torch.equal(sel[:, own_rows(ranges, b)] > 0, ref), (b, expand, rw)
+            assert torch.equal(twin[:, own_rows(ranges, b)] > 0, ref), (b, expand, rw)
+            ball = select_clusters(ClusterIndex(**{**vars(ix), "fine_box": None}), q[b].float().view(H, G, D),
+                                   int(budgets[b]), expand, "max", rw)
+            changed += int((ball != ref).sum())
+    assert changed > 0
 
 
 @pytest.mark.parametrize("value_steps", [0, 1, 12, 64])
