@@ -675,6 +675,8 @@ def main(argv=None):
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
+                     ("gpu_serving_h200_box.json", variants_serving_table),
+                     ("selection_breakdown_box_h200.json", hybrid_breakdown_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),
                      ("attention_recall_qwen_oracle_30k.json", merged_recall_table),
