@@ -248,9 +248,9 @@ def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, par
     H = fmu.shape[1]
     R = heads.numel()
     dot = q.dtype == torch.bfloat16
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fmu if box is None else box, ranges, ranges.stride(0), expanded, bnd,
-                                         bnd.stride(0),
-                                         heads, R, float(radius_weight), q.stride(0), q.stride(1), fmu.stride(0),
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fmu if box is None else box, ranges, ranges.stride(0),
+                                         expanded, bnd, bnd.stride(0), heads, R, float(radius_weight), q.stride(0),
+                                         q.stride(1), fmu.stride(0),
                                          H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
                                          BLOCK_P=_block_p(max_coarse), BLOCK_L=block_l, PARTS=parts,
                                          DOT=dot, BLOCK_G=max(16, triton.next_power_of_2(Hq // H)),
@@ -822,7 +822,7 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     return coarse, fine, chunks, table.to(device)
 
 
-def pack_box(indexes, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_box(indexes, device) -> torch.Tensor:
     """The fine boxes of :func:`pack`'s indexes as the index pools store them: [F, H, 2, d] bf16."""
     from sgl_sparsekv.index import quantize_box
 
