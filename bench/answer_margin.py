@@ -126,17 +126,16 @@ class ServedAttention:
         """+chunk-bound: layer ``l`` attends to the request's chunks (as the manager cut them) ranked by Quest's bound
         ``sum_i max(q_i min_i, q_i max_i)`` over each chunk's keys, in that order while they fit the budget."""
         from sgl_sparsekv.select import _prefix_within, quest_scores, units_to_token_mask
+        from sgl_sparsekv.summary import summarize_units
 
         cfg, st, S = self.manager.cfg, self.manager.states[0], t + 1
         starts, ends = torch.tensor(st.starts), torch.tensor(st.ends)
         starts, ends = starts[ends <= S], ends[ends <= S]
-        keys = self.k_pool[l][1:S + 1].float()                                    # [S, H, d] by position (slot - 1)
-        pos = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())])
-        (_, H, d), n = keys.shape, len(starts)
-        chunk = torch.repeat_interleave(torch.arange(n), ends - starts)[:, None, None].expand(-1, H, d)
-        kmin = torch.full((n, H, d), float("inf")).scatter_reduce(0, chunk, keys[pos], "amin").transpose(0, 1)
-        kmax = torch.full((n, H, d), float("-inf")).scatter_reduce(0, chunk, keys[pos], "amax").transpose(0, 1)
-        scores = quest_scores(q.view(H, -1, d).float(), kmin, kmax, cfg.gqa_reduce)
+        slots = torch.cat([torch.arange(a, b) for a, b in zip(starts.tolist(), ends.tolist())]) + 1   # position + 1
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)])
+        bounds = summarize_units(self.k_pool[l], slots, indptr, True).transpose(0, 1)    # [H, n, 2, d] min, max
+        H, n, _, d = bounds.shape
+        scores = quest_scores(q.view(H, -1, d).float(), bounds[:, :, 0], bounds[:, :, 1], cfg.gqa_reduce)
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         take = _prefix_within((ends - starts).float()[order], torch.ones(order.shape, dtype=torch.bool),
                               cfg.token_budget - cfg.sink_tokens - cfg.recent_window)
