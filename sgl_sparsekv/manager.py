@@ -445,10 +445,14 @@ class SparseKVManager:
             ptrs = torch.tensor([k.data_ptr() for k in bufs], dtype=torch.int64)
             self._k_ptrs = (key, to_device(ptrs, self.device))
         ids, slots, indptr, _, _ = plan.packed(self.device)
-        pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out, False)
-        if box:
-            pool_units_layers(self._k_ptrs[1], first, slots, indptr, ids, out[:, :, :, 1:], True)
+        self._pool_keys(self._k_ptrs[1], first, slots, indptr, ids, out)
         return out
+
+    def _pool_keys(self, k_ptrs, k0, slots, indptr, ids, out) -> None:
+        """The kernel launches of :meth:`chunk_keys`: mean keys, then with fine boxes the keys' min and max."""
+        pool_units_layers(k_ptrs, k0, slots, indptr, ids, out, False)
+        if self.pools.box:
+            pool_units_layers(k_ptrs, k0, slots, indptr, ids, out[:, :, :, 1:], True)
 
     def _precompile_build(self) -> None:
         """Compile the kernels that place a prompt's index (its chunks' keys, k-means) now, on eight made-up
@@ -459,9 +463,9 @@ class SparseKVManager:
             return
         kv = torch.zeros(n, H, d, dtype=self.key_dtype, device=self.device)
         ptrs = torch.full((Ls,), kv.data_ptr(), dtype=torch.int64, device=self.device)
-        out = torch.empty(Ls, n, H, 1, d, dtype=self.key_dtype, device=self.device)
+        out = torch.empty(Ls, n, H, 3 if self.pools.box else 1, d, dtype=self.key_dtype, device=self.device)
         every = torch.arange(n + 1, device=self.device)
-        pool_units_layers(ptrs, kv, every[:n].int(), every.int(), every[:n], out, False)
+        self._pool_keys(ptrs, kv, every[:n].int(), every.int(), every[:n], out)
         c = self.cfg
         precompile_build(d, self.device, c.fine_cluster_size, c.max_coarse, c.kmeans_iters)
 

@@ -799,16 +799,19 @@ def test_graft_compiles_once_across_step_shapes():
 
 
 @pytest.mark.gpu
-def test_index_placement_compiles_nothing_after_startup():
-    """Placing a prompt's index pools its chunks' keys and runs k-means inside the prefill: a kernel variant
-    compiled there stalls the batch for seconds. The manager compiles them at startup; prompts whose chunk and
-    cluster counts are 1, divisible by 16 or neither must all reuse those variants."""
+@pytest.mark.parametrize("fine_bound", ["ball", "box"])
+def test_index_placement_compiles_nothing_after_startup(fine_bound):
+    """Placing a prompt's index pools its chunks' keys (with boxes, their min and max too) and runs k-means inside
+    the prefill: a kernel variant compiled there stalls the batch for seconds. The manager compiles them at
+    startup; prompts whose chunk and cluster counts are 1, divisible by 16 or neither must all reuse those
+    variants."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.kernels.kmeans import _assign_kernel, _sums_kernel
     from sgl_sparsekv.kernels.pool import _pool_layers_kernel
 
     dev, Hk, d, layers = "cuda", 8, 128, 3
-    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256, "dense_layers": 1, "chunking": "fixed"})
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256, "dense_layers": 1, "chunking": "fixed",
+                                                "fine_bound": fine_bound})
     # 16-token chunks: 125 chunks (12 coarse units), 129 (12), 256 (16), 4000 (64)
     lens = [2000, 2064, 4096, 64_000]
     slots = sum(lens) + 64
