@@ -143,16 +143,16 @@ def serving_table(path: Path) -> str:
 
 
 def variants_serving_table(path: Path) -> str:
-    """Lychee variants through the real server from one card, without a dense run (bench/gpu_serving.py)."""
+    """Lychee variants through the real server from one card, dense among them or not (bench/gpu_serving.py)."""
     r = json.loads(path.read_text())
     rows = []
     for name in r["settings"]["methods"]:
         for key, label in WORKLOADS:
             if key in r[name]:
-                w, p = r[name][key], r[name][key]["plugin"]
+                w, p = r[name][key], r[name][key]["plugin"]   # dense, where the run has it, has no plugin counters
                 rows.append((name, label, f"{w['output_throughput']:.0f}", f"{w['median_itl_ms']:.1f}",
-                             f"{w['mean_ttft_ms'] / 1000:.2f}", w["host_ms_per_decode_step"], p["index_pool_full"],
-                             p["dense_fallback_steps"], w["errors"]))
+                             f"{w['mean_ttft_ms'] / 1000:.2f}", w.get("host_ms_per_decode_step", "-"),
+                             p.get("index_pool_full", "-"), p.get("dense_fallback_steps", "-"), w["errors"]))
     return md_table(f"Lychee variants in serving, {r['device']}, {r['model']}, {r['settings']['backend']}, CUDA graphs "
                     f"on, budget {r['settings']['budget']}, commit {r['commit']}: {r['note']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
@@ -676,6 +676,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_box.json", variants_serving_table),
+                     ("gpu_serving_h200_box_dense.json", variants_serving_table),
                      ("selection_breakdown_box_h200.json", hybrid_breakdown_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),

@@ -214,7 +214,8 @@ TABLES = {"targets10": ("Issue #10's targets (each serving result from one H200,
                         (shared_prefix, random_ids, tpot_batch1, host_time, selection, index_memory)),
           "targets11": ("Issue #11's targets (Qwen2.5-Coder-0.5B, real weights, one H200, CUDA graphs on)",
                         (lambda: near_dense("16K"), lambda: near_dense("16K", "lychee-box-0.25", "fine_bound box"),
-                         lambda: near_dense("30K"), structured_vs_quest, recall))}
+                         lambda: near_dense("30K"), lambda: near_dense("30K", "lychee-box-0.25", "fine_bound box"),
+                         structured_vs_quest, recall))}
 
 
 def table(key: str) -> str:
