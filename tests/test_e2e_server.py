@@ -98,11 +98,12 @@ def test_off_is_plain_sglang(reference):
 
 
 # lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
-# two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead: selection one step
-# ahead (each step attends to the lists selected at the step before)
+# two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead-box: selection one step
+# ahead (each step attends to the lists selected at the step before), fine clusters ranked by their key boxes (built,
+# cached with the prefix's index, adopted and grown by grafts below)
 SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
           "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2}),
-          "lychee-ahead": ("lychee", {"select_ahead": True})}
+          "lychee-ahead-box": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
 
 
 @pytest.fixture(scope="module", params=list(SPARSE))
@@ -114,6 +115,7 @@ def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
         out["head_roles"] = extra_cfg.get("head_roles", "all-retrieval")
         out["rerank_factor"] = extra_cfg.get("rerank_factor", 1)
         out["select_ahead"] = extra_cfg.get("select_ahead", False)
+        out["fine_bound"] = extra_cfg.get("fine_bound", "ball")
         yield method, srv, out
 
 
@@ -126,6 +128,7 @@ def test_config_reached_scheduler(sparse):
         assert state["sparse_kv_config"]["head_roles"] == out["head_roles"]
         assert state["sparse_kv_config"]["rerank_factor"] == out["rerank_factor"]
         assert state["sparse_kv_config"]["select_ahead"] == out["select_ahead"]
+        assert state["sparse_kv_config"]["fine_bound"] == out["fine_bound"]
     assert "sparse_kv_stats" in state
 
 
