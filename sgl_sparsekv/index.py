@@ -87,12 +87,10 @@ def quantize_box(box: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = _pow2_at_least((center.abs() + half).amax(-1) / BOX_MAX)
     c, w, top = at(scale)
-    over = top > BOX_MAX   # the rounding pushed it past: the next scale up
-    if over.any():
-        scale = torch.where(over, 2 * scale, scale)
-        c2, w2, _ = at(scale)
-        c, w = torch.where(over[..., None], c2, c), torch.where(over[..., None], w2, w)
-    return torch.stack([c, w], -2), scale
+    c2, w2, _ = at(2 * scale)
+    over = top > BOX_MAX   # the rounding pushed it past: the next scale up (no host read: this runs in decode steps)
+    c, w = torch.where(over[..., None], c2, c), torch.where(over[..., None], w2, w)
+    return torch.stack([c, w], -2), torch.where(over, 2 * scale, scale)
 
 
 def dequantize_box(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
