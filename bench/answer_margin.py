@@ -29,6 +29,7 @@ import torch
 
 from bench.attention_recall import load
 from bench.fidelity import METHODS
+from sgl_sparsekv import index, index_pool
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import SparseKVConfig
 
@@ -271,6 +272,35 @@ def prefill(model, prompt: np.ndarray):
     return out.past_key_values, out.logits[0, -1], last_q
 
 
+def fp8_box(box: torch.Tensor) -> torch.Tensor:
+    """A candidate compact storage of fine boxes (``--box-storage fp8``): fp8 e4m3 codes times one power-of-two scale
+    per box, the center rounded to nearest, the half-width grown by that rounding and rounded up, as
+    ``index.quantize_box`` does in bf16, so the box still covers its keys. The scale is the smallest that keeps the
+    stored box's largest |center| + half-width within 224 (half of e4m3's range): a finer scale holds every value a
+    coarser one does, so storing a stored box gives it back unchanged. Returned in ``index.BOX_DTYPE``, which holds
+    every such value exactly: the served path reads it as it reads bf16 boxes."""
+    f8 = torch.float8_e4m3fn
+    center, half = box[..., 0, :].float(), box[..., 1, :].float()
+
+    def stored(scale):
+        c = (center / scale).to(f8).float() * scale
+        w = (center - c).abs() + half
+        codes = (w / scale).to(f8)
+        up = (codes.view(torch.uint8) + 1).view(f8)   # the next e4m3 value (w >= 0: the next bit pattern)
+        return c, torch.where(codes.float() * scale < w, up, codes).float() * scale
+
+    def top(c, w):
+        return (c.abs() + w).amax(-1, keepdim=True)
+
+    scale = torch.exp2(torch.ceil(torch.log2(top(center, half).clamp_min(1e-30) / 224)))
+    c, w = stored(scale)
+    over = top(c, w) > 224 * scale   # the rounding pushed it past: the next scale up
+    if over.any():
+        c2, w2 = stored(2 * scale)
+        c, w = torch.where(over, c2, c), torch.where(over, w2, w)
+    return torch.stack([c, w], -2).to(index.BOX_DTYPE)
+
+
 def main(argv=None):
     from bench.tasks import make
 
@@ -283,8 +313,13 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=["off", "lychee", "lychee-ahead"])
     ap.add_argument("--generate", type=int, default=0, metavar="N", help="also generate up to N tokens greedily "
                     "per method and score them as the fidelity harness does (24 there)")
+    ap.add_argument("--box-storage", choices=["bf16", "fp8"], default="bf16", help="fine_bound box: the boxes as "
+                    "served (bf16), or as fp8 codes with a power-of-two scale per box (fp8_box), the compact storage "
+                    "to decide on")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.box_storage == "fp8":   # every store of a box (build, pools, grafts) rounds through quantize_box
+        index.quantize_box = index_pool.quantize_box = fp8_box
     tok, model = load(a.model_dir, "cpu")
     table = BoundaryTable.from_tokenizer(tok)
     eos = {tok.eos_token_id}
@@ -293,7 +328,7 @@ def main(argv=None):
     eos.discard(None)
     cfgs = {m: config(m, a.budget) for m in a.methods}
     res = {"model": a.model_dir, "device": "CPU", "task": a.task, "length": a.length, "budget": a.budget,
-           "methods": a.methods, "samples": []}
+           "methods": a.methods, "box_storage": a.box_storage, "samples": []}
     for seed in a.seeds:
         s = make(a.task, tok, a.length, seed)
         prompt = np.asarray(tok(s.prompt).input_ids)

@@ -121,7 +121,7 @@ def index_memory() -> list[str]:
                     / slots / LLAMA8B_KV_BYTES for box in (False, True))
     measured = (f"{share:.1%} ({share * LLAMA8B_KV_BYTES / 1024:.1f} KB per KV slot against "
                 f"{LLAMA8B_KV_BYTES // 1024} KB), the index pools' sizing at the defaults (int8 centroids), charged to "
-                f"SGLang's KV plan; {boxes:.1%} with the option fine_bound box (e4m3 boxes beside the centroids)")
+                f"SGLang's KV plan; {boxes:.1%} with the option fine_bound box (bf16 boxes beside the centroids)")
     return ["index memory <= 5% of the KV", measured, verdict(share <= 0.05)]
 
 

@@ -31,51 +31,17 @@ def _stored(x, dmask):
 
 
 @triton.jit
-def _e4m3_nearest(x):
-    """fp32 (|x| <= 448) -> the nearest fp8 e4m3 value (ties to even), in fp32: the mantissa rounded to 3 bits on
-    the bits, or below 2^-6 to a multiple of 2^-9 (the subnormals) by adding and taking 1.5 * 2^23. Rounded here,
-    as the Triton interpreter truncates in a cast; the cast that stores the value is then exact."""
-    a = tl.abs(x)
-    b = a.to(tl.int32, bitcast=True)
-    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
-    r = tl.where(a < 0.015625, ((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125, normal)
-    return tl.where((x < 0) & (r > 0), -r, r)   # zero as +0, as index.quantize_box stores it
-
-
-@triton.jit
-def _e4m3_up(w):
-    """fp32 w >= 0 -> the smallest e4m3 value >= w, in fp32 (the next bit pattern where the nearest is below)."""
-    r = _e4m3_nearest(w)
-    nxt = tl.where(r < 0.015625, r + 0.001953125, (r.to(tl.int32, bitcast=True) + 0x100000).to(tl.float32,
-                                                                                                 bitcast=True))
-    return tl.where(r < w, nxt, r)
-
-
-@triton.jit
-def _box_at(center, half, scale, dmask):
-    """(center, half-width) at ``scale`` in e4m3 codes as ``index.quantize_box`` rounds them, and their largest
-    |center| + half-width."""
-    c = _e4m3_nearest(tl.div_rn(center, scale))
-    w = _e4m3_up(tl.div_rn(tl.abs(center - c * scale) + half, scale))
-    return c, w, tl.max(tl.where(dmask, tl.abs(c) + w, 0.0), 0)
-
-
-@triton.jit
 def _stored_box(lo, hi, dmask):
-    """Key bounds -> (center codes, half-width codes, scale) as ``index.box_from`` stores them: the scale the
-    smallest power of two that keeps |center| + half-width within 224 codes (the next one up where rounding
-    pushed it past), the center to the nearest code, the half-width grown by the center's rounding and rounded
-    up."""
+    """Key bounds -> (center, half-width) in bf16 as ``index.box_from`` stores them: the center to the nearest
+    value (ties to even), the half-width grown by the center's rounding and rounded up. Rounded on the bits, as
+    the Triton interpreter truncates in a cast."""
     center = (lo + hi) * 0.5
-    half = (hi - lo) * 0.5
-    t = tl.div_rn(tl.max(tl.where(dmask, tl.abs(center) + half, 0.0), 0), 224.0)
-    bits = t.to(tl.int32, bitcast=True)
-    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23
-    scale = tl.where(t > 0, up.to(tl.float32, bitcast=True), 1.0)
-    c, w, top = _box_at(center, half, scale, dmask)
-    c2, w2, _ = _box_at(center, half, 2 * scale, dmask)
-    over = top > 224.0
-    return tl.where(over, c2, c), tl.where(over, w2, w), tl.where(over, 2 * scale, scale)
+    b = center.to(tl.int32, bitcast=True)
+    c = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    w = tl.where(dmask, tl.abs(center - c.to(tl.float32)) + (hi - lo) * 0.5, 0.0)
+    wb = (w.to(tl.int32, bitcast=True) >> 16).to(tl.int16)   # w >= 0: dropping bits rounds down
+    wb = tl.where((wb.to(tl.int32) << 16).to(tl.float32, bitcast=True) < w, wb + 1, wb)
+    return c, wb.to(tl.bfloat16, bitcast=True)
 
 
 # strides that follow the step's job and chunk counts, and the 16-byte alignment of the job table, lengths and
@@ -83,7 +49,7 @@ def _stored_box(lo, hi, dmask):
 # compile new variants mid-serving
 @triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"], do_not_specialize_on_alignment=["Jobs", "Length", "Start"])
 def _graft_kernel(Keys, Jobs, Length, Start,
-                  FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen, FBox, FBSc,
+                  FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen, FBox,
                   s_sl, s_su, s_sh, s_fl, s_cl, s_kl, s_jf, s_jg,
                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                   BOX: tl.constexpr):
@@ -140,19 +106,17 @@ def _graft_kernel(Keys, Jobs, Length, Start,
         tl.store(FR + c, new_r_c)
         tl.store(FN + c, n_c + 1)
         tl.store(FTok + c, tl.load(FTok + c) + length)
-        if BOX:   # [F, H, 2, D] e4m3 codes (center, half-width) times [F, H] scales
+        if BOX:   # [F, H, 2, D] bf16 (center, half-width)
             kb = Keys + layer * s_sl + kr * s_su + h * s_sh + D
             lo = tl.load(kb + offs_d, mask=dmask, other=0.0).to(tl.float32)
             hi = tl.load(kb + D + offs_d, mask=dmask, other=0.0).to(tl.float32)
-            bsc = tl.load(FBSc + c)
-            bc = tl.load(FBox + c * 2 * D + offs_d, mask=dmask, other=0.0).to(tl.float32) * bsc
-            bw = tl.load(FBox + c * 2 * D + D + offs_d, mask=dmask, other=0.0).to(tl.float32) * bsc
+            bc = tl.load(FBox + c * 2 * D + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            bw = tl.load(FBox + c * 2 * D + D + offs_d, mask=dmask, other=0.0).to(tl.float32)
             lo = tl.where(n_c > 0, tl.minimum(bc - bw, lo), lo)
             hi = tl.where(n_c > 0, tl.maximum(bc + bw, hi), hi)
-            bc, bw, bsc = _stored_box(lo, hi, dmask)
-            tl.store(FBox + c * 2 * D + offs_d, bc.to(FBox.dtype.element_ty), mask=dmask)
-            tl.store(FBox + c * 2 * D + D + offs_d, bw.to(FBox.dtype.element_ty), mask=dmask)
-            tl.store(FBSc + c, bsc)
+            bc, bw = _stored_box(lo, hi, dmask)
+            tl.store(FBox + c * 2 * D + offs_d, bc, mask=dmask)
+            tl.store(FBox + c * 2 * D + D + offs_d, bw, mask=dmask)
 
         gc = layer * s_cl + (co + tl.load(FPar + c)) * H + h
         n_g = tl.load(CN + gc)
@@ -187,7 +151,7 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
         keys, jobs, lengths, starts,
         pools.fmu, pools.fsc, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.csc, pools.cr, pools.cn,
         pools.ctok,
-        pools.kfine, pools.kstart, pools.klen, pools.fbox, pools.fbsc, keys.stride(0), keys.stride(1), keys.stride(2),
+        pools.kfine, pools.kstart, pools.klen, pools.fbox, keys.stride(0), keys.stride(1), keys.stride(2),
         pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0), jobs.stride(1),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64, BOX=pools.box)
 
@@ -200,7 +164,7 @@ def precompile_graft(pools, key_dtype: torch.dtype) -> None:
     if Ls == 0:
         return
     payload = torch.zeros(8, dtype=torch.int64, device=pools.fmu.device)   # what PoolPlan.packed uploads
-    keys = torch.zeros(Ls, 1, H, pools.key_vecs, D, dtype=key_dtype, device=pools.fmu.device)
+    keys = torch.zeros(Ls, 1, H, 3 if pools.box else 1, D, dtype=key_dtype, device=pools.fmu.device)
     graft_chunks(pools, keys, payload[:6].view(6, 1), payload[6:7], payload[7:])
 
 

@@ -6,9 +6,8 @@ side):
 
     coarse pool:  (mu [C, H, d], scale [C, H]), r [C, H], tok [C, H]                 (co, P per segment)
     fine pool:    (mu [F, H, d], scale [F, H]), r [F, H], tok [F, H], parent [F, H]  (fo, L; parent: local coarse)
-    fine boxes:   (box [F, H, 2, d] e4m3: center and half-width, scale [F, H])      (optional, ``fine_bound`` "box")
-    (a centroid is its int8 codes ``mu`` times its power-of-two ``scale``, ``sgl_sparsekv.index.quantize``; a box
-    its e4m3 codes times its own, ``sgl_sparsekv.index.quantize_box``)
+    fine boxes:   [F, H, 2, d] bf16: center and half-width                           (optional, ``fine_bound`` "box")
+    (a centroid is its int8 codes ``mu`` times its power-of-two ``scale``, ``sgl_sparsekv.index.quantize``)
     chunk pool:   fine [K, H] (local fine index), start [K], length [K] (positions)   (ko, M)
 
 A request's index is two segments of rows, read as one index: segment 0, adopted from a cached prefix and
@@ -146,14 +145,14 @@ def _box_bounds(Qg, stride_qh, c, w, rw, offs_d, dmask, G: tl.constexpr):
 
 @triton.jit
 def _tile_box_bounds(c, w, q, rw, G: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr):
-    """``_box_bounds`` of a tile of boxes (center, half-width codes [rows, D]) on the tensor cores: e4m3 codes are
-    exact in bf16, and bf16 products exact in fp32, as in ``_tile_bounds``."""
+    """``_box_bounds`` of a tile of bf16 boxes (center, half-width [rows, D]) on the tensor cores: bf16 products
+    are exact in fp32, as in ``_tile_bounds``."""
     qa = tl.abs(q)
     if IEEE:
         s = tl.dot(c.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
         s += rw * tl.dot(w.to(tl.float32), tl.trans(qa.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.dot(c.to(tl.bfloat16), tl.trans(q)) + rw * tl.dot(w.to(tl.bfloat16), tl.trans(qa))
+        s = tl.dot(c, tl.trans(q)) + rw * tl.dot(w, tl.trans(qa))
     return tl.max(tl.where((tl.arange(0, BLOCK_G) < G)[None, :], s, NEG), 1)
 
 
@@ -186,7 +185,7 @@ def _coarse_expand_kernel(Q, CMu, CSc, CR, CTok, T, st, Budget, Expanded, Heads,
 
 
 @triton.jit
-def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, FBSc, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb,
+def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, T, st, Expanded, Bnd, S, Heads, R, rw, stride_qb,
                         stride_qh, stride_fm,
                         H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr, PARTS: tl.constexpr,
@@ -194,7 +193,7 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, FBSc, T, st, Expanded, Bnd,
     """Bounds of the fine clusters whose coarse unit is expanded (-inf for the others), into the request's scratch
     rows (``Bnd`` [H, S]); PARTS programs per (request, retrieval KV head) split the clusters. DOT (bf16 queries):
     each tile is scored with ``tl.dot`` against the group's queries, loaded once. BOX: clusters are scored by
-    their boxes (FBox [F, H, 2, D] e4m3 codes times FBSc [F, H]) instead of centroid and radius."""
+    their boxes (FBox [F, H, 2, D] bf16) instead of centroid and radius."""
     pid = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     b, h = _program_head(pid, Heads, R)
@@ -220,12 +219,11 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, FBSc, T, st, Expanded, Bnd,
                 at = FBox + (frow * H + h)[:, None] * 2 * D + offs_d[None, :]
                 m2 = live[:, None] & dmask[None, :]
                 bc, bw = tl.load(at, mask=m2, other=0.0), tl.load(at + D, mask=m2, other=0.0)
-                bsc = tl.load(FBSc + frow * H + h, mask=live, other=0.0)   # a power of two: scaling is exact
                 if DOT:
-                    fub = tl.where(live, bsc * _tile_box_bounds(bc, bw, qg, rw, G, BLOCK_G, IEEE), NEG)
+                    fub = tl.where(live, _tile_box_bounds(bc, bw, qg, rw, G, BLOCK_G, IEEE), NEG)
                 else:
-                    fub = tl.where(live, bsc * _box_bounds(Qg, stride_qh, bc.to(tl.float32), bw.to(tl.float32), rw,
-                                                           offs_d, dmask, G), NEG)
+                    fub = tl.where(live, _box_bounds(Qg, stride_qh, bc.to(tl.float32), bw.to(tl.float32), rw, offs_d,
+                                                     dmask, G), NEG)
         elif tl.max(live.to(tl.int32), 0) > 0:
             fmu = tl.load(FMu + frow[:, None] * stride_fm + h * D + offs_d[None, :],
                           mask=live[:, None] & dmask[None, :], other=0)
@@ -244,14 +242,13 @@ def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, par
     the coarse expansion wrote ``expanded``; ``block_l`` and ``num_warps`` for launch-parameter sweeps. bf16
     queries (a bf16 model's, with ``gqa_reduce`` "max") are scored on the tensor cores: 0.057 -> 0.045 ms per layer
     at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json); others by fp32 FMAs. ``box``:
-    the fine boxes (codes [F, H, 2, d], scales [F, H]) that rank the clusters instead (``IndexPools.box_layer``)."""
+    the fine boxes [F, H, 2, d] that rank the clusters instead (``IndexPools.box_layer``; unread without)."""
     bs, Hq, D = q.shape
     (fmu, fsc), fr, _, fpar = fine
     H = fmu.shape[1]
     R = heads.numel()
     dot = q.dtype == torch.bfloat16
-    fbox, fbsc = (fmu, fsc) if box is None else box   # unread without boxes
-    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fbox, fbsc, ranges, ranges.stride(0),
+    _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fmu if box is None else box, ranges, ranges.stride(0),
                                          expanded, bnd, bnd.stride(0), heads, R, float(radius_weight), q.stride(0),
                                          q.stride(1), fmu.stride(0),
                                          H=H, G=Hq // H, D=D, BLOCK_D=triton.next_power_of_2(D),
@@ -554,7 +551,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
     (tile, keys) sets the register cut's last passes and ``cut_value_steps`` its first (``_cut_in_registers``).
     ``radius_weight`` scales the bound's radius term in the ranking (``select.select_clusters``); ``box``
-    (codes [F, H, 2, d] e4m3, scales [F, H]): fine boxes, which rank the fine clusters instead of their centroids. Each segment
+    [F, H, 2, d] bf16: fine boxes, which rank the fine clusters instead of their centroids. Each segment
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
     """
@@ -730,7 +727,7 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
                     radius_weight: float = 1.0, heads: torch.Tensor | None = None, box=None):
     """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
     is live where its radius is finite, as the kernels read it."""
-    from sgl_sparsekv.index import ClusterIndex, dequantize, dequantize_box
+    from sgl_sparsekv.index import ClusterIndex, dequantize
     from sgl_sparsekv.select import select_clusters
 
     (cmu, csc), cr, ctok = coarse
@@ -748,7 +745,7 @@ def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: 
                             coarse_mu=dequantize(cmu[c], csc[c]).transpose(0, 1),
                             coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
                             chunk_fine=par[:0].T,
-                            fine_box=None if box is None else dequantize_box(box[0][f], box[1][f]).transpose(0, 1))
+                            fine_box=None if box is None else box[f].float().transpose(0, 1))
         cols = slice(r["so"], r["so"] + len(f))
         sel[hs, cols] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
                                         radius_weight).float()[hs]
@@ -825,13 +822,11 @@ def pack(indexes, chunk_starts, chunk_lens, device):
     return coarse, fine, chunks, table.to(device)
 
 
-def pack_box(indexes, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fine boxes of :func:`pack`'s indexes as the index pools store them: (codes [F, H, 2, d] e4m3, scales
-    [F, H])."""
+def pack_box(indexes, device) -> torch.Tensor:
+    """The fine boxes of :func:`pack`'s indexes as the index pools store them: [F, H, 2, d] bf16."""
     from sgl_sparsekv.index import quantize_box
 
-    codes, scale = quantize_box(torch.cat([ix.fine_box.transpose(0, 1) for ix in indexes]))
-    return codes.contiguous().to(device), scale.contiguous().to(device)
+    return quantize_box(torch.cat([ix.fine_box.transpose(0, 1) for ix in indexes])).contiguous().to(device)
 
 
 def over_shared(packed: torch.Tensor, first_row: int = 0) -> torch.Tensor:

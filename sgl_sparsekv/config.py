@@ -61,8 +61,7 @@ class SparseKVConfig:
     # What fine clusters are ranked by: "ball", their centroid and radius over unit chunk keys (LycheeCluster);
     # "box", the per-dimension min and max of their tokens' raw keys, q.c + radius_weight |q|.w (center c,
     # half-width w; radius_weight 1 is Quest's bound), which keeps the single tokens a chunk's mean key averages
-    # away. A box (e4m3 codes and a scale) costs 2 x head_dim + 4 bytes per fine cluster and KV head beside the
-    # centroid's head_dim + 20.
+    # away. A box (bf16) costs 4 x head_dim bytes per fine cluster and KV head beside the centroid's head_dim.
     fine_bound: str = "ball"
     # GPU index pools hold indexes over this many times the KV slots (requests that adopt one cached prefix
     # share one copy of its index); charged to SGLang's memory plan per KV slot.

@@ -34,24 +34,18 @@ NEG_INF = float("-inf")
 # bounds hold exactly for what the kernels read.
 CODE_DTYPE = torch.int8
 CODE_MAX = 127
-# fine boxes (``fine_bound`` "box") as fp8 e4m3 codes times a power-of-two scale per (box, head): e4m3 keeps an
-# exponent per value, so the small dimensions of keys with a few large ones keep their resolution (int8 codes with
-# one scale per box lose them, and with them what tells near-identical chunks apart); half of bf16's bytes
-BOX_DTYPE = torch.float8_e4m3fn
-BOX_MAX = 224.0   # the largest |center| + half-width in code units: half of e4m3's range, room to round up
-
-
-def _pow2_at_least(t: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two >= t (fp32, t > 0), from its bits; 1 where t is 0."""
-    bits = t.view(torch.int32)
-    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23
-    return torch.where(t > 0, up.view(torch.float32), torch.ones_like(t))
+# fine boxes (``fine_bound`` "box") in bf16: int8 codes with one scale per box (as centroids are stored) lose the
+# small dimensions of keys with a few large ones, and with them what tells near-identical chunks apart
+BOX_DTYPE = torch.bfloat16
 
 
 def centroid_scale(mu: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [...] fp32: the smallest power of two s with max |mu| <= 127 s (1 for a zero row), from the bits
     of max |mu| / 127 as ``kernels/graft.py`` computes it."""
-    return _pow2_at_least(mu.abs().amax(-1).float() / CODE_MAX)
+    t = mu.abs().amax(-1).float() / CODE_MAX
+    bits = t.view(torch.int32)
+    up = ((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)) << 23
+    return torch.where(t > 0, up.view(torch.float32), torch.ones_like(t))
 
 
 def quantize(mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,32 +63,17 @@ def stored(mu: torch.Tensor) -> torch.Tensor:
     return dequantize(*quantize(mu))
 
 
-def quantize_box(box: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., 2, d] (center, half-width) -> (codes [..., 2, d] e4m3, scale [...] fp32, a power of two): the center
-    rounds to the nearest code; the half-width grows by the center's rounding and rounds up, so the stored box covers
-    the original one. The scale is the smallest that keeps the stored box's largest |center| + half-width within
-    ``BOX_MAX`` codes; a finer scale holds every value a coarser one does, so storing a stored box gives it back
-    unchanged. ``kernels/graft.py`` stores grafted boxes by the same rule."""
+def quantize_box(box: torch.Tensor) -> torch.Tensor:
+    """[..., 2, d] (center, half-width) -> the same in ``BOX_DTYPE``: the center rounds to the nearest value; the
+    half-width grows by the center's rounding and rounds up, so the stored box covers the original one. Storing a
+    stored box gives it back unchanged."""
     center, half = box[..., 0, :].float(), box[..., 1, :].float()
-
-    def at(scale):
-        c = ((center / scale[..., None]).to(BOX_DTYPE).float() + 0.0).to(BOX_DTYPE)   # zero as +0, not -0
-        w = ((center - c.float() * scale[..., None]).abs() + half) / scale[..., None]
-        wq = w.to(BOX_DTYPE)
-        # round up: below w, the next code (w >= 0: the next bit pattern)
-        wq = torch.where(wq.float() < w, (wq.view(torch.uint8) + 1).view(BOX_DTYPE), wq)
-        return c, wq, (c.float().abs() + wq.float()).amax(-1)
-
-    scale = _pow2_at_least((center.abs() + half).amax(-1) / BOX_MAX)
-    c, w, top = at(scale)
-    c2, w2, _ = at(2 * scale)
-    over = top > BOX_MAX   # the rounding pushed it past: the next scale up (no host read: this runs in decode steps)
-    c, w = torch.where(over[..., None], c2, c), torch.where(over[..., None], w2, w)
-    return torch.stack([c, w], -2), torch.where(over, 2 * scale, scale)
-
-
-def dequantize_box(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale[..., None, None]
+    c = center.to(BOX_DTYPE)
+    w = (center - c.float()).abs() + half
+    wb = w.to(BOX_DTYPE)
+    # round up: below w, the next value of the type (w >= 0: the next bit pattern)
+    wb = torch.where(wb.float() < w, (wb.view(torch.int16) + 1).view(BOX_DTYPE), wb)
+    return torch.stack([c, wb], -2)
 
 
 def box_from(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -102,7 +81,7 @@ def box_from(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     empty one (lo > hi, as an empty cluster's +inf / -inf) is the zero box."""
     empty = (lo > hi).any(-1, keepdim=True)
     lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
-    return dequantize_box(*quantize_box(torch.stack([(lo + hi) / 2, (hi - lo) / 2], -2)))
+    return quantize_box(torch.stack([(lo + hi) / 2, (hi - lo) / 2], -2)).float()
 
 
 def box_union(box: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, grow: torch.Tensor) -> torch.Tensor:
@@ -183,40 +162,34 @@ class ClusterIndex:
         return ClusterIndex(**{k: v.clone() for k, v in vars(self).items()})
 
     def pack(self) -> "PackedIndex":
-        """The index with its centroids as int8 codes and scales (``quantize``) and its fine boxes as e4m3 codes
-        and scales (``quantize_box``), as the pools store it."""
+        """The index with its centroids as int8 codes and scales (``quantize``), as the pools store it."""
         (fine, fine_scale), (coarse, coarse_scale) = quantize(self.fine_mu), quantize(self.coarse_mu)
-        box, box_scale = quantize_box(self.fine_box) if self.has_box else (self.fine_box.to(BOX_DTYPE), None)
         rest = {k: v.clone() for k, v in vars(self).items() if not k.endswith("_mu") and k != "fine_box"}
-        return PackedIndex(ClusterIndex(fine_mu=fine, coarse_mu=coarse, fine_box=box, **rest), fine_scale,
-                           coarse_scale, box_scale)
+        return PackedIndex(ClusterIndex(fine_mu=fine, coarse_mu=coarse, fine_box=quantize_box(self.fine_box), **rest),
+                           fine_scale, coarse_scale)
 
 
 @dataclass
 class PackedIndex:
     """A ClusterIndex as the index pools hold it and the index cache keeps it: each centroid as its int8 codes
-    and power-of-two scale, each fine box as its e4m3 codes and power-of-two scale. Exact for stored centroids
-    (``stored``) and boxes (``box_from``)."""
+    and power-of-two scale. Exact for stored centroids (``stored``), in half of bf16's bytes."""
 
-    index: ClusterIndex          # its fine_mu / coarse_mu hold the codes, its fine_box the boxes' codes
+    index: ClusterIndex          # its fine_mu / coarse_mu hold the codes, its fine_box the boxes in BOX_DTYPE
     fine_scale: torch.Tensor     # [H, L]
     coarse_scale: torch.Tensor   # [H, P]
-    box_scale: torch.Tensor | None = None   # [H, L] with fine boxes
 
     @property
     def num_chunks(self) -> int:
         return self.index.num_chunks
 
     def nbytes(self) -> int:
-        scales = [t for t in (self.fine_scale, self.coarse_scale, self.box_scale) if t is not None]
-        return self.index.nbytes() + sum(t.numel() * t.element_size() for t in scales)
+        return self.index.nbytes() + sum(t.numel() * t.element_size() for t in (self.fine_scale, self.coarse_scale))
 
     def unpack(self) -> ClusterIndex:
-        """The index with fp32 centroids and boxes (new tensors for them; the rest shared)."""
+        """The index with fp32 centroids (new tensors for them; the rest shared)."""
         ix = self.index
-        box = ix.fine_box.float() if self.box_scale is None else dequantize_box(ix.fine_box, self.box_scale)
         return ClusterIndex(**{**vars(ix), "fine_mu": dequantize(ix.fine_mu, self.fine_scale),
-                               "coarse_mu": dequantize(ix.coarse_mu, self.coarse_scale), "fine_box": box})
+                               "coarse_mu": dequantize(ix.coarse_mu, self.coarse_scale), "fine_box": ix.fine_box.float()})
 
 
 def empty_index(H: int, d: int, device, box: bool = False) -> ClusterIndex:

@@ -8,9 +8,8 @@ grafting decoded chunks only writes rows.
 
     coarse  mu [Ls, C, H, d]  scale/r/tok/n [Ls, C, H]
     fine    mu [Ls, F, H, d]  scale/r/tok/n [Ls, F, H]  parent [Ls, F, H] (local coarse index)
-    box     [Ls, F, H, 2, d] (center, half-width as e4m3 codes)  scale [Ls, F, H] (fine_bound "box", else empty)
-    (centroids mu as int8 codes times their row's power-of-two scale, ``index.quantize``; boxes likewise as e4m3
-    codes, ``index.quantize_box``; the rest fp32 / int32)
+    box     [Ls, F, H, 2, d] (center, half-width in bf16; fine_bound "box", else d = 0)
+    (centroids mu as int8 codes times their row's power-of-two scale, ``index.quantize``; the rest fp32 / int32)
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
 An index over all sparse layers at once (heads ``Ls * H``, layer-major) moves into a range as a ``PackedIndex``
@@ -32,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, dequantize_box, quantize,
-                                quantize_box, recount, union)
+from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, quantize_box,
+                                recount, union)
 
 
 class RangeAllocator:
@@ -102,7 +101,7 @@ class PoolCapacity:
 
     def nbytes(self, layers: int, heads: int, head_dim: int, box: bool = False) -> int:
         node = heads * (head_dim * CODE_DTYPE.itemsize + 4 * 4)   # mu; scale, r, tok, n in fp32
-        fine = node + heads * 4 + box * heads * (2 * head_dim * BOX_DTYPE.itemsize + 4)   # parent; the box, its scale
+        fine = node + heads * 4 + box * heads * 2 * head_dim * BOX_DTYPE.itemsize   # parent; the box
         per_layer = self.coarse * node + self.fine * fine + self.chunks * heads * 4
         return layers * per_layer + self.chunks * 8
 
@@ -136,7 +135,6 @@ class IndexPools:
         self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
         self.box = box
         self.fbox = torch.zeros(layers, cap.fine, heads, 2, head_dim if box else 0, dtype=BOX_DTYPE, device=device)
-        self.fbsc = f32(layers, cap.fine if box else 0, heads)
         self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
         self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
         self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
@@ -197,16 +195,9 @@ class IndexPools:
                 ((self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
                 (self.kfine[l], self.kstart, self.klen))
 
-    @property
-    def key_vecs(self) -> int:
-        """Key vectors per chunk that index builds and grafts take (``SparseKVManager.chunk_keys``): the mean key,
-        then with fine boxes its tokens' key min and max."""
-        return 3 if self.box else 1
-
     def box_layer(self, l: int):
-        """Sparse layer ``l``'s fine boxes (codes [F, H, 2, d], scales [F, H]), or None without them
-        (``kernels/select.py``)."""
-        return (self.fbox[l], self.fbsc[l]) if self.box else None
+        """Sparse layer ``l``'s fine boxes [F, H, 2, d], or None without them (``kernels/select.py``)."""
+        return self.fbox[l] if self.box else None
 
     def view(self, co: int, fo: int, L: int) -> ClusterIndex:
         """The rows of one range as a ClusterIndex of [Ls, H, ...] tensors, coarse rows from ``co`` up to the last
@@ -230,11 +221,11 @@ class IndexPools:
             codes[:, rows], scale[:, rows] = quantize(mu.transpose(1, 2))
         if self.box:
             rows = slice(fo, fo + view.fine_box.shape[2])
-            self.fbox[:, rows], self.fbsc[:, rows] = quantize_box(view.fine_box.transpose(1, 2))
+            self.fbox[:, rows] = quantize_box(view.fine_box.transpose(1, 2))
 
     def _box(self, f: slice) -> torch.Tensor:
         """fp32 boxes [Ls, L, H, 2, d] of fine rows ``f`` (d = 0 without boxes)."""
-        return dequantize_box(self.fbox[:, f], self.fbsc[:, f]) if self.box else self.fbox[:, f].float()
+        return self.fbox[:, f].float()
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
@@ -260,7 +251,6 @@ class IndexPools:
         if self.box:
             assert ix.has_box, "an index without fine boxes loaded into pools with them"
             self.fbox[:, f] = self._split(ix.fine_box)
-            self.fbsc[:, f] = self._split(packed.box_scale)
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)

@@ -66,3 +66,26 @@ def test_sparse_budget_changes_the_answer_scores(sample):
     assert bound["kv_read"] == bound["lists_read"] <= own["kv_read"]
     assert bound["logprob"] != pytest.approx(own["logprob"], abs=1e-4)
 
+
+def test_fp8_boxes_cover_their_keys_and_keep_each_dimension():
+    """The compact box storage the harness probes still covers every key (as the bf16 boxes do), stores a stored
+    box unchanged, and keeps the small dimensions beside a few large ones (one scale per box would round them
+    away in int8; e4m3 keeps an exponent per value)."""
+    import torch
+
+    from bench.answer_margin import fp8_box
+    from sgl_sparsekv.index import BOX_DTYPE, box_bound
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(6, 4, 9, 64, generator=gen) * torch.tensor([0.05] * 60 + [40.0] * 4)   # [.., tokens, d]
+    lo, hi = keys.amin(-2), keys.amax(-2)
+    box = fp8_box(torch.stack([(lo + hi) / 2, (hi - lo) / 2], -2))
+    assert box.dtype == BOX_DTYPE
+    c, w = box[..., 0, :].float(), box[..., 1, :].float()
+    assert (c - w <= lo).all() and (c + w >= hi).all()
+    assert torch.equal(fp8_box(box.float()), box)
+    small = slice(0, 60)
+    assert ((w - (hi - lo) / 2)[..., small].abs() <= 0.15 * (hi - lo)[..., small] + 1e-6).all()
+    q = torch.randn(6, 1, 64, generator=gen)   # Quest's bound over the stored box still bounds every token's score
+    best = (q[:, :, None, :] * keys).sum(-1).amax(-1)
+    assert (box_bound(q, box.float(), 1.0, "max") >= best - 1e-3).all()

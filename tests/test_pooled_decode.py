@@ -10,15 +10,13 @@ import types
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.attend import sparse_decode
-from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk, quantize_box
+from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
-from sgl_sparsekv.kernels.graft import _stored_box, graft_chunks, graft_chunks_ref, precompile_graft
+from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.pooled_decode import PooledDecode
@@ -102,41 +100,6 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev, box):
         added = slice(rng.ko + rng.M - n, rng.ko + rng.M)
         assert pools.klen[added].tolist() == lengths[k0:k0 + n].tolist()
         assert pools.kstart[added].tolist() == starts[k0:k0 + n].tolist()
-
-
-@triton.jit
-def _store_boxes(Lo, Hi, Box, Scale, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Row r's key bounds -> its box codes and scale, by the graft kernel's rounding."""
-    r = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_D)
-    m = offs < D
-    c, w, scale = _stored_box(tl.load(Lo + r * D + offs, mask=m, other=0.0),
-                              tl.load(Hi + r * D + offs, mask=m, other=0.0), m)
-    tl.store(Box + r * 2 * D + offs, c.to(Box.dtype.element_ty), mask=m)
-    tl.store(Box + r * 2 * D + D + offs, w.to(Box.dtype.element_ty), mask=m)
-    tl.store(Scale + r, scale)
-
-
-@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_graft_kernel_stores_boxes_as_quantize_box(dev):
-    """The graft kernel's box rounding (``_stored_box``) gives ``index.quantize_box``'s codes and scales bit for bit:
-    keys over eight orders of magnitude (codes down to e4m3's subnormals), a box whose rounding pushes it past 224
-    codes (the next scale up), ties, an empty box."""
-    gen = torch.Generator().manual_seed(3)
-    R, d = 64, 72
-    lo = torch.randn(R, d, generator=gen) * torch.logspace(-6, 2, d)   # each row: tiny to large dimensions
-    hi = lo + torch.rand(R, d, generator=gen) * torch.logspace(-6, 2, d)
-    lo[0], hi[0] = 219.5, 220.5          # center 220 rounds to 224 codes: past 224 with its half-width
-    lo[1], hi[1] = 0.0, 0.0              # an empty cluster's zero box
-    lo[2], hi[2] = 1.0625, 1.0625        # a center halfway between two codes at scale 2^-6
-    lo[2, 0], hi[2, 0] = -3.0, 3.0
-    codes, scale = quantize_box(torch.stack([(lo + hi) / 2, (hi - lo) / 2], -2))
-    assert scale[0] == 2.0 and scale[1] == 1.0
-    box = torch.zeros(R, 2, d, dtype=codes.dtype, device=dev)
-    got_scale = torch.zeros(R, device=dev)
-    _store_boxes[(R,)](lo.to(dev), hi.to(dev), box, got_scale, D=d, BLOCK_D=triton.next_power_of_2(d))
-    assert torch.equal(got_scale.cpu(), scale)
-    assert torch.equal(box.cpu().view(torch.uint8), codes.view(torch.uint8))
 
 
 class TwinWorld(World):
