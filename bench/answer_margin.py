@@ -273,7 +273,8 @@ def prefill(model, prompt: np.ndarray):
 
 
 def fp8_box(box: torch.Tensor) -> torch.Tensor:
-    """A candidate compact storage of fine boxes (``--box-storage fp8``): fp8 e4m3 codes times one power-of-two scale
+    """A compact storage of fine boxes (``--box-storage fp8``; in the kernels it lost answers at 30K, so the served
+    boxes stay bf16): fp8 e4m3 codes times one power-of-two scale
     per box, the center rounded to nearest, the half-width grown by that rounding and rounded up, as
     ``index.quantize_box`` does in bf16, so the box still covers its keys. The scale is the smallest that keeps the
     stored box's largest |center| + half-width within 224 (half of e4m3's range): a finer scale holds every value a
@@ -315,7 +316,7 @@ def main(argv=None):
                     "per method and score them as the fidelity harness does (24 there)")
     ap.add_argument("--box-storage", choices=["bf16", "fp8"], default="bf16", help="fine_bound box: the boxes as "
                     "served (bf16), or as fp8 codes with a power-of-two scale per box (fp8_box), the compact storage "
-                    "to decide on")
+                    "tried in the kernels and not kept (bench/RESULTS.md, 'Fine boxes')")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.box_storage == "fp8":   # every store of a box (build, pools, grafts) rounds through quantize_box
