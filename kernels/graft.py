@@ -164,7 +164,7 @@ def precompile_graft(pools, key_dtype: torch.dtype) -> None:
     if Ls == 0:
         return
     payload = torch.zeros(8, dtype=torch.int64, device=pools.fmu.device)   # what PoolPlan.packed uploads
-    keys = torch.zeros(Ls, 1, H, 3 if pools.box else 1, D, dtype=key_dtype, device=pools.fmu.device)
+    keys = torch.zeros(Ls, 1, H, pools.key_vecs, D, dtype=key_dtype, device=pools.fmu.device)
     graft_chunks(pools, keys, payload[:6].view(6, 1), payload[6:7], payload[7:])
 
 

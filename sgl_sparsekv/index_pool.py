@@ -144,6 +144,11 @@ class IndexPools:
         self.generation = 0   # bumped by every free: a request that found no room retries only after one
         self.shared: dict[object, list] = {}   # key -> [PoolRanges, references] of the shared segments
 
+    @property
+    def key_vecs(self) -> int:
+        """Vectors pooled from the KV per chunk for a graft: its mean key, then with boxes its keys' min and max."""
+        return 3 if self.box else 1
+
     def nbytes(self) -> int:
         return self.capacity.nbytes(self.layers, self.heads, self.head_dim, self.box)
 

@@ -422,7 +422,7 @@ class SparseKVManager:
         layer at once, rounded to ``key_dtype`` (the KV's on the GPU: the kernels and their twins then agree on
         every bit that clustering and grafting see)."""
         box = self.pools.box
-        out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, 3 if box else 1, self.pools.head_dim,
+        out = torch.empty(self.pools.layers, len(plan.spans), self.pools.heads, self.pools.key_vecs, self.pools.head_dim,
                           dtype=self.key_dtype, device=self.device)
         layers = range(self.cfg.dense_layers, self.num_layers)
         if not plan.spans or not layers:
@@ -463,7 +463,7 @@ class SparseKVManager:
             return
         kv = torch.zeros(n, H, d, dtype=self.key_dtype, device=self.device)
         ptrs = torch.full((Ls,), kv.data_ptr(), dtype=torch.int64, device=self.device)
-        out = torch.empty(Ls, n, H, 3 if self.pools.box else 1, d, dtype=self.key_dtype, device=self.device)
+        out = torch.empty(Ls, n, H, self.pools.key_vecs, d, dtype=self.key_dtype, device=self.device)
         every = torch.arange(n + 1, device=self.device)
         self._pool_keys(ptrs, kv, every[:n].int(), every.int(), every[:n], out)
         c = self.cfg
