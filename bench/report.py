@@ -663,7 +663,7 @@ def tp_fidelity_table(path: Path) -> str:
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
 LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot_valuecut.json", "gpu_serving_h200_ahead.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
 
 
@@ -725,6 +725,7 @@ def main(argv=None):
                      ("gpu_serving_h200_ahead_prompt_shared.json", methods_serving_table),
                      ("gpu_serving_h200_ahead_own_shared.json", methods_serving_table),
                      ("gpu_serving_h200_valuecut.json", serving_table),
+                     ("gpu_serving_h200_tpot64k.json", serving_table),
                      ("gpu_serving_h200_tpot_valuecut.json", serving_table),
                      ("cut_value_steps_h200.json", cut_probe_table),
                      ("gpu_serving_h200_int8.json", serving_table),
