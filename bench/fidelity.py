@@ -55,7 +55,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # selection every k decode steps, its lists reused in between with the tokens decoded since (RACC)
            **{f"lychee-every-{k}": ("lychee", {"select_every": k}) for k in (2, 4)},
            # selection one step ahead, beside the attention, with the step before's query
-           "lychee-ahead": ("lychee", {"select_ahead": True})}
+           "lychee-ahead": ("lychee", {"select_ahead": True}),
+           # both: select_ahead's step-before query, fine clusters ranked by their boxes (does box win back its loss?)
+           "lychee-ahead-box-0.25": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
