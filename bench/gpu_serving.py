@@ -49,12 +49,14 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # maps shipped for Qwen2.5-Coder-0.5B (configs/head_roles/), served on that shape (--shape qwen2.5-coder-0.5b);
 # lychee-every-k: selection every k decode steps, the lists reused in between (config select_every); lychee-ahead:
 # selection one step ahead, beside the attention (config select_ahead); lychee-box: fine clusters ranked by their
-# tokens' key boxes (fine_bound "box", at weight 1: Quest's bound)
+# tokens' key boxes (fine_bound "box", at weight 1: Quest's bound); lychee-ahead-box: both, at fine_bound's default
+# weight (bench.fidelity's lychee-ahead-box-0.25)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
             "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2},
             **{f"lychee-every-{k}": {"select_every": k} for k in (2, 4)},
             "lychee-ahead": {"select_ahead": True}, "lychee-box": {"fine_bound": "box", "radius_weight": 1.0},
+            "lychee-ahead-box": {"select_ahead": True, "fine_bound": "box"},
             **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
                for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
 # --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
