@@ -663,8 +663,9 @@ def tp_fidelity_table(path: Path) -> str:
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
 LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
-          "fidelity_qwen2.5-coder-0.5b_30k_gpu.json")
+          "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "gpu_serving_h200_aheadbox_tpot.json",
+          "gpu_serving_h200_aheadbox_shared.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "fidelity_qwen2.5-coder-0.5b_30k_gpu.json", "fidelity_qwen2.5-coder-0.5b_16384_gpu.json")
 
 
 def main(argv=None):
@@ -674,6 +675,9 @@ def main(argv=None):
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
+                     ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
+                     ("gpu_serving_h200_aheadbox_tpot.json", methods_serving_table),
+                     ("gpu_serving_h200_aheadbox_shared.json", methods_serving_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_box.json", variants_serving_table),
                      ("gpu_serving_h200_box_dense.json", variants_serving_table),

@@ -1,5 +1,6 @@
 """Rewrite the generated tables (between their markers) from bench/results: every table in bench/RESULTS.md, the
-latest ones (``bench.report --latest``) and the issues' targets (``bench.targets``) in the README."""
+latest ones (``bench.report --latest``), the at-a-glance table (``bench.glance``) and the issues' targets
+(``bench.targets``) in the README."""
 
 import re
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # (file, marker, the command printing its tables)
 TARGETS = (("bench/RESULTS.md", "results", ["bench.report"]), ("README.md", "latest", ["bench.report", "--latest"]),
+           ("README.md", "glance", ["bench.glance"]),
            ("README.md", "targets10", ["bench.targets", "targets10"]),
            ("README.md", "targets11", ["bench.targets", "targets11"]))
 

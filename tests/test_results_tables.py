@@ -28,3 +28,12 @@ def test_a_task_is_worse_than_dense_only_beyond_chance():
     # six lost against two gained: chance
     assert tasks_worse(run({"code_return": [1, 2], "passkey": []}), run({"code_return": [3, 4, 5, 6, 7, 8],
                                                                          "passkey": []})) == []
+
+
+def test_every_glance_row_fills_every_option():
+    """A row of the at-a-glance table names its label and one cell per option, none empty."""
+    from bench.glance import COLUMNS, ROWS
+
+    for row in ROWS:
+        cells = row()
+        assert len(cells) == len(COLUMNS) + 1 and all(cells), cells
