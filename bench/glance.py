@@ -22,29 +22,30 @@ SHARED64_C32, BUILD = "gpu_serving_h100_default.json", "index_build_h100_fine1.j
 QWEN_SHAPE = "gpu_serving_h200_qwen05b_roles.json"
 
 
-def at(r: dict) -> str:
-    """``(commit)``, with the card where it is not an H200."""
-    card = r.get("device", "").replace("NVIDIA ", "").replace(" 80GB HBM3", "")
-    commit = r.get("commit", r.get("tree", "")).split(" (")[0]
-    return f"({commit}{'' if card in ('H200', '') else f', {card}'})"
+def at(*results: dict) -> str:
+    """``(commit, ...)`` of the results a cell reads, with the card where it is not an H200."""
+    names = []
+    for r in results:
+        card = r.get("device", "").replace("NVIDIA ", "").replace(" 80GB HBM3", "")
+        names.append(r.get("commit", r.get("tree", "")).split(" (")[0] + ("" if card in ("H200", "") else f", {card}"))
+    return f"({', '.join(names)})"
 
 
 def answers(length: str) -> list[str]:
     runs = load(FIDELITY[length])["runs"]
     got = {m: latest_run(runs, m, None if m == "off" else 1024) for m in COLUMNS.values()
            if any(r["method"] == m for r in runs)}
-    cells = [f"{correct(got[m])} {at(got[m])}" if m in got else NOT for m in COLUMNS.values()]
+    cells = {m: f"{correct(got[m])} {at(got[m])}" if m in got else NOT for m in COLUMNS.values()}
     if any(r["method"] == "lychee-fixed" for r in runs):
         fixed = latest_run(runs, "lychee-fixed")
-        cells[1] += f"; with fixed 16-token chunks {correct(fixed)} {at(fixed)}"
+        cells["lychee"] += f"; with fixed 16-token chunks {correct(fixed)} {at(fixed)}"
     if length == "16K":   # select_ahead with box ran at 16384 tokens, beside Quest on the same samples
         other = load(FIDELITY_16384)["runs"]
-        ahead_box, quest = latest_run(other, COLUMNS["lychee, `select_ahead` and `fine_bound` box"]), latest_run(
-            other, "quest")
-        cells[4] = (f"{correct(ahead_box)} of other samples (16384 tokens), where Quest answers {correct(quest)} "
-                    f"{at(ahead_box)}")
+        ahead_box, quest = latest_run(other, "lychee-ahead-box-0.25"), latest_run(other, "quest")
+        cells["lychee-ahead-box-0.25"] = (f"{correct(ahead_box)} of other samples (16384 tokens), where Quest answers "
+                                          f"{correct(quest)} {at(ahead_box)}")
     read = got["lychee"]["kv_read"]
-    return [f"answers at {length} ({read:.1%} of the KV read)", *cells]
+    return [f"answers at {length} ({read:.1%} of the KV read)", *cells.values()]
 
 
 def attention_mass() -> list[str]:
@@ -86,8 +87,7 @@ def tpot() -> list[str]:
     def row(res, method):
         return " / ".join(f"{over_4k(res, method, c):.2f}x" for c in LONG) + f" {at(res)}"
 
-    ahead = (f"{over_4k(a, 'lychee-ahead', 32768):.2f}x / - / {over_4k(j, 'lychee-ahead', 126976):.2f}x "
-             f"{at(a)[:-1]}, {at(j)[1:]}")
+    ahead = f"{over_4k(a, 'lychee-ahead', 32768):.2f}x / - / {over_4k(j, 'lychee-ahead', 126976):.2f}x {at(a, j)}"
     return ["batch-1 TPOT over dense's at 4K: 32K / 64K / 126K", row(r, "dense"), row(r, "lychee"), NOT, ahead,
             row(ab, "lychee-ahead-box")]
 
@@ -96,8 +96,9 @@ def selection() -> list[str]:
     r, box = load(SELECTION), load(BOX_SELECTION)
     boxed = batch16_32k([x for x in box["runs"] if x["label"] == "fine_bound box"][-1]["rows"])
     off_path = "the same kernels, off the step's critical path"
-    return ["selection + token lists per sparse layer, batch 16, 32K", "-", f"{selection_ms(batch16_32k(r['rows'])):.3f} ms {at(r)}",
-            f"{selection_ms(boxed):.3f} ms {at(box)}", off_path, off_path.replace("same", "box's")]
+    return ["selection + token lists per sparse layer, batch 16, 32K", "-",
+            f"{selection_ms(batch16_32k(r['rows'])):.3f} ms {at(r)}", f"{selection_ms(boxed):.3f} ms {at(box)}",
+            off_path, off_path.replace("same", "box's")]
 
 
 def index_memory() -> list[str]:

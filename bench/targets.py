@@ -108,7 +108,8 @@ def host_time() -> list[str]:
     host, syncs = s["lychee_host_ms_per_decode_step"], s["lychee_decode_host_syncs"]
     options = "; ".join(f"{name} {x['lychee_host_ms_per_decode_step']:.2f} ms, {x['lychee_decode_host_syncs']} syncs"
                         for name, x in (("`select_ahead`", a["lychee-ahead_over_dense"]["shared"]),
-                                        ("`select_ahead` with `fine_bound` box", ab["lychee-ahead-box_over_dense"]["shared"])))
+                                        ("`select_ahead` with `fine_bound` box",
+                                         ab["lychee-ahead-box_over_dense"]["shared"])))
     measured = f"lychee {host:.2f} ms, {syncs} syncs, {cite(SHARED, r)}; {options}"
     return ["host time per decode step <= 0.3 ms at batch 16, zero syncs", measured,
             verdict(host <= 0.3 and syncs == 0)]
