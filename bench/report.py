@@ -681,6 +681,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_box.json", variants_serving_table),
                      ("gpu_serving_h200_box_dense.json", variants_serving_table),
+                     ("selection_breakdown_box_bs1_h200.json", hybrid_breakdown_table),
                      ("selection_breakdown_box_h200.json", hybrid_breakdown_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),
