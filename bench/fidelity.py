@@ -4,6 +4,9 @@
     python -m bench.fidelity --model smollm2 --out bench/results/fidelity_smollm2.json --plot bench/results/fidelity_smollm2.png
     python3 -m bench.fidelity --device gpu --model qwen2.5-coder-0.5b --model-dir /tmp/qwen --lengths 16000 \
         --samples 50 --concurrency 32 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
+    python -m bench.fidelity --append /work/.device/N/fidelity.json \
+        bench/results/fidelity_qwen2.5-coder-0.5b_16k_gpu.json --commit C --gpu GPU-xxxxxxxx --note "..."
+        # that call's runs into the committed file (refused at another length: other samples)
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
@@ -165,6 +168,19 @@ def extend(a: dict, b: dict) -> dict:
                       "seconds": round(a["seconds"] + b["seconds"], 1), "samples": na + nb})
 
 
+def append(new: dict, committed: dict, **fields) -> dict:
+    """``committed`` with ``new``'s runs (a device call's result) added, each labelled with its device, tasks, sample
+    count and ``fields`` (commit, gpu, note). Refused unless both hold the same model and lengths: the runs of a file
+    are compared sample by sample against its dense run, so another length (16384 in a 16000 file: the same seeds,
+    other samples) would be paired with samples it never saw."""
+    for key in ("model", "lengths"):
+        if new[key] != committed[key]:
+            raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
+    runs = [{**run, "device": new["device"], "samples": new["samples"], "tasks": new["tasks"], **fields}
+            for run in new["runs"]]
+    return {**committed, "runs": committed["runs"] + runs}
+
+
 def paired(dense: dict, counts: dict) -> tuple[int, int]:
     """Sample by sample over the cells both runs scored with the same seeds: (answers dense got right and the run
     got wrong, answers the run got right and dense got wrong)."""
@@ -281,6 +297,12 @@ def main():
                     help="how many answers two results share, per run, and each sparse run with its dense run; with "
                          "--out, both results and the comparison are written there")
     ap.add_argument("--labels", nargs=2, default=("a", "b"), help="with --compare: the two results' names")
+    ap.add_argument("--append", nargs=2, metavar=("RESULT", "FILE"),
+                    help="add RESULT's runs (a device call's --out) to the committed FILE, labelled with --commit, "
+                         "--gpu and --note; refused where the model or lengths differ")
+    ap.add_argument("--commit", help="with --append: the commit the runs ran at")
+    ap.add_argument("--gpu", help="with --append: the card's id (GPU-xxxxxxxx)")
+    ap.add_argument("--note", help="with --append: what the runs are, in a sentence")
     a = ap.parse_args()
     if a.compare:
         with open(a.compare[0]) as f, open(a.compare[1]) as g:
@@ -289,6 +311,18 @@ def main():
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(both, f, indent=1)
+        return
+    if a.append:
+        if not (a.commit and a.gpu and a.note):
+            ap.error("--append needs --commit, --gpu and --note")
+        with open(a.append[0]) as f, open(a.append[1]) as g:
+            new, committed = json.load(f), json.load(g)
+        try:
+            merged = append(new, committed, commit=a.commit, gpu=a.gpu, note=a.note)
+        except ValueError as e:
+            ap.error(f"--append {a.append[0]} {a.append[1]}: {e}")
+        with open(a.append[1], "w") as f:
+            json.dump(merged, f, indent=1)
         return
     if a.quick:
         a.budgets, a.lengths, a.samples = [256], [1000], 2

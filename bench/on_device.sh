@@ -6,7 +6,8 @@
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off"  # bench.fidelity into $OUT/NAME.json
 #   (fidelity: real Qwen2.5-Coder-0.5B, 50 samples per task at budget 1024 unless further bench.fidelity flags say
 #    otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the model's parts to /tmp/gpu-model;
-#    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, unpaired)
+#    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
+#    `python -m bench.fidelity --append RESULT FILE --commit --gpu --note` refuses to add to them)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
 #    a resume_s.json in the tree root is resumed, so dense can follow lychee in a second call on the same machine)
 # Each command stays under the call's 600 s; $OUT/gpu.txt names the card.

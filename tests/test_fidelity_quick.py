@@ -136,3 +136,23 @@ def test_paired_counts_and_sign_test():
     assert sign_test(5, 0) == pytest.approx(0.0625)
     assert sign_test(29, 13) == pytest.approx(0.01952, abs=1e-5)
     assert sign_test(29, 13) == sign_test(13, 29)
+
+
+def test_append_labels_runs_and_refuses_other_samples():
+    """A device call's runs join a committed file labelled with where they ran; a call at another length (the same
+    seeds, other samples) is refused instead of being paired with the file's dense run."""
+    from bench.fidelity import append
+
+    def result(length, methods):
+        return {"model": "qwen2.5-coder-0.5b", "lengths": [length], "device": "NVIDIA H200", "samples": 50,
+                "tasks": ["passkey"], "runs": [{"method": m, "counts": {f"passkey@{length}": {}}} for m in methods]}
+
+    committed = {k: v for k, v in result(16000, ["off"]).items() if k not in ("device", "samples", "tasks")}
+    merged = append(result(16000, ["lychee"]), committed, commit="abc1234", gpu="GPU-1", note="why")
+    assert [r["method"] for r in merged["runs"]] == ["off", "lychee"]
+    assert len(committed["runs"]) == 1   # the committed result itself is left as it was
+    labels = {"device": "NVIDIA H200", "samples": 50, "tasks": ["passkey"], "commit": "abc1234", "gpu": "GPU-1",
+              "note": "why"}
+    assert {k: merged["runs"][1][k] for k in labels} == labels
+    with pytest.raises(ValueError, match=r"lengths \[16384\] against the file's \[16000\]"):
+        append(result(16384, ["lychee"]), committed, commit="abc1234", gpu="GPU-1", note="why")
