@@ -29,7 +29,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.server import CPU_ARGS, Server
+from bench.server import CPU_ARGS, Lineup, Server
 from bench.tasks import RULER, STRUCTURED, TASKS, make
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
@@ -104,19 +104,22 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "first_seed": first,
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
            "runs": []}
+    servers, eager = {}, {}
     for name in methods:
         method, extra = METHODS[name]
         for budget in ([None] if method == "off" else budgets):
             cfg = None if method == "off" else {"token_budget": budget, **{
                 k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
             # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
-            eager = bool(gpu_backend) and (method == "quest" or not cuda_graph)
-            args = server + (["--disable-cuda-graph"] if eager else [])
+            eager[name, budget] = bool(gpu_backend) and (method == "quest" or not cuda_graph)
+            args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
+            servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
+    with Lineup(servers, ahead=0 if gpu_backend else 1) as lineup:
+        for name, budget in servers:
             t0 = time.time()
             # the pool closes last: stopped mid-run (SIGTERM), the server goes first and the requests in flight
             # fail at once, instead of the pool waiting out their timeouts before the server is stopped
-            with ThreadPoolExecutor(concurrency) as pool, \
-                    Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend) as srv:
+            with ThreadPoolExecutor(concurrency) as pool, lineup.take((name, budget)) as srv:
                 scores, counts = {}, {}
                 for t in tasks:
                     for n in lengths:
@@ -134,7 +137,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
                     **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                        if stats.get("scored_tokens") else {}),
-                    "seconds": round(time.time() - t0, 1), "cuda_graph": bool(gpu_backend) and not eager}
+                    "seconds": round(time.time() - t0, 1),
+                    "cuda_graph": bool(gpu_backend) and not eager[name, budget]}
             res["runs"].append(summarize(run_))
             print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
             if save:

@@ -4,6 +4,7 @@
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off"  # bench.fidelity into $OUT/NAME.json
+#   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
 #   (fidelity: real Qwen2.5-Coder-0.5B, 50 samples per task at budget 1024 unless further bench.fidelity flags say
 #    otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the model's parts to /tmp/gpu-model;
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
@@ -25,6 +26,10 @@ case "$1" in
     # shellcheck disable=SC2086  # METHODS and the workload are word lists
     timeout 580 python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$name.json" --methods $methods \
       --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15 ;;
+  profile)
+    name=$2; shift 2
+    [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
+    timeout 560 python3 -m bench.serving_profile --model /tmp/m8b --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
   breakdown)
     name=$2; shift 2
     timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
@@ -36,6 +41,6 @@ case "$1" in
       --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
       "$@" 2>&1 | tail -30 ;;
   *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
-          "| fidelity NAME LENGTH METHODS [FLAGS]" >&2
+          "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS]" >&2
      exit 2 ;;
 esac

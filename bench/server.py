@@ -31,15 +31,25 @@ def ephemeral_floor() -> int:
         return 32768   # Linux's default
 
 
+DERIVED = 240   # SGLang's ports for a server on port p: p .. p + 239
+
+# the ports of this process's servers that are not stopped yet: servers starting together (a Lineup) must not
+# derive the same ports, and neither binds them before it has imported SGLang
+_claimed: set[int] = set()
+
+
 def free_port() -> int:
-    """A free port below the OS's ephemeral range, with room for the ports SGLang derives from it (up to +239):
-    a port inside that range can be taken between this check and the server's bind by any socket the OS numbers,
-    the server's own NCCL port among them (a CI server lost its HTTP port to that)."""
+    """A free port below the OS's ephemeral range, with room for the ports SGLang derives from it: a port inside
+    that range can be taken between this check and the server's bind by any socket the OS numbers, the server's own
+    NCCL port among them (a CI server lost its HTTP port to that). Its derived ports miss those of this process's
+    other servers."""
     rng = random.Random()
     hi = min(40000, ephemeral_floor()) - 300
     lo = min(20000, hi - 1000)
     while True:
         port = rng.randrange(lo, hi)
+        if any(abs(port - c) < DERIVED for c in _claimed):
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -84,6 +94,40 @@ def run_driver(cmd: list[str], timeout: float, grace: float = 120, **kw) -> subp
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
+class Lineup:
+    """Servers taken in turn and started in groups: taking one that is not started yet starts it together with the
+    next ``ahead`` ones. A CPU server's start (about 80 s on 2 cores) is mostly one process at a time importing
+    SGLang, so two starting together take barely longer than one (81 s against 77 s measured); a started server
+    sleeps until its turn (``--sleep-on-idle``). A group starts only when the one before is taken, never beside a
+    server at work: its imports would take a core from the torch threads serving, which then wait on each other
+    (a CPU decode step ran 10x slower). On one GPU, ``ahead=0``: two servers would split its memory.
+
+        with Lineup({"off": Server(...), "lychee": Server(...)}) as lineup:
+            with lineup.take("off") as srv: ...
+
+    ``take`` also accepts a key out of turn (a test run that selects some of them); the servers started and never
+    taken are stopped on exit."""
+
+    def __init__(self, servers: dict, ahead: int = 1):
+        self.waiting = dict(servers)   # in turn order
+        self.ahead = ahead
+
+    def __enter__(self) -> Lineup:
+        return self
+
+    def take(self, key) -> Server:
+        srv = self.waiting.pop(key)
+        if srv.proc is None:
+            for other in [srv, *list(self.waiting.values())[:self.ahead]]:
+                other.launch()
+        return srv
+
+    def __exit__(self, *exc):
+        for srv in self.waiting.values():
+            srv.__exit__()
+        self.waiting.clear()
+
+
 class Server:
     """``with Server(model, method, config) as srv: srv.complete(prompt)``; logs go to ``log_path``."""
 
@@ -91,6 +135,7 @@ class Server:
                  cpu: bool = True, log_path: str | None = None, timeout: float = 600):
         model_path = os.path.abspath(model_path) if os.path.exists(model_path) else model_path
         self.port = free_port()
+        _claimed.add(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                      "--port", str(self.port), "--enable-cache-report", "--sparse-kv", method]
@@ -105,16 +150,22 @@ class Server:
         self.timeout = timeout
         self.proc = None
 
+    def launch(self) -> "Server":
+        """Starts the server without waiting for it (``with`` waits); a second call does nothing."""
+        if self.proc is None:
+            self.log = open(self.log_path, "w")
+            # the server runs in its own session, so a driver stopped by `timeout` (SIGTERM) must stop it itself:
+            # otherwise the next server on that GPU finds its memory taken
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, _exit_on_sigterm)
+            # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
+            self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True, cwd=tempfile.gettempdir())
+        return self
+
     def __enter__(self):
-        self.log = open(self.log_path, "w")
-        # the server runs in its own session, so a driver stopped by `timeout` (SIGTERM) must stop it itself:
-        # otherwise the next server on that GPU finds its memory taken
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, cwd=tempfile.gettempdir())
         try:
+            self.launch()
             self._wait_ready()
         except BaseException:   # `with` calls __exit__ only once __enter__ returned: a failed start stops here
             self.__exit__()
@@ -137,6 +188,7 @@ class Server:
     def __exit__(self, *exc):
         """Stops the server's whole process group (its schedulers hold the GPU memory) and waits until it is
         gone, so the next server on these GPUs finds their memory free."""
+        _claimed.discard(self.port)
         if self.proc:
             group = self.proc.pid
             for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -149,7 +201,7 @@ class Server:
                     break
             self.proc.wait()
             self.proc = None
-        self.log.close()
+            self.log.close()
 
     def tail(self, n: int = 60) -> str:
         with open(self.log_path) as f:

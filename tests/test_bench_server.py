@@ -76,6 +76,52 @@ def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
     assert time.time() - t0 < 60
 
 
+# a fake launcher that becomes healthy at once on the port it is given
+FAKE_HEALTHY = textwrap.dedent("""
+    import http.server, sys
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+""")
+
+
+def test_lineup_starts_servers_in_groups(tmp_path):
+    """bench.server.Lineup: taking a server not started yet starts it with the next in turn; taking that one starts
+    nothing (it started with the group); out of turn works alike. On exit the servers started and never taken are
+    stopped. The ports of servers alive together (with SGLang's derived ones) never overlap."""
+    from itertools import combinations
+
+    from bench.server import DERIVED, Lineup, Server
+
+    servers = {}
+    for key in "abcde":
+        srv = servers[key] = Server("unused", log_path=str(tmp_path / f"{key}.log"), timeout=60)
+        srv.args = [sys.executable, "-c", FAKE_HEALTHY, str(srv.port)]
+    assert all(abs(p - q) >= DERIVED for p, q in combinations([s.port for s in servers.values()], 2))
+
+    def started():
+        return "".join(k for k, s in servers.items() if s.proc is not None)
+
+    with Lineup(servers) as lineup:
+        with lineup.take("a") as a:
+            pid_a = a.proc.pid
+            assert started() == "ab"
+        assert not alive(pid_a)
+        with lineup.take("b"):
+            assert started() == "b"
+        with lineup.take("d"):   # out of turn: d and the next in turn, c
+            assert started() == "cd"
+        pid_c = servers["c"].proc.pid
+    assert started() == "" and not alive(pid_c)
+
+
 def test_free_ports_stay_below_the_ports_the_os_numbers_itself():
     """A server's own NCCL port comes from the OS's ephemeral range (bind to port 0): a chosen HTTP port there was
     taken before the server bound it. Every port, with SGLang's derived ports (up to +239), lies below that range."""

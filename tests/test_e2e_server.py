@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from bench.server import Server
+from bench.server import Lineup, Server
 from bench.tasks import passkey
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 
@@ -74,9 +74,49 @@ def run_suite(srv, tok):
     return out
 
 
+# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
+# two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead-box: selection one step
+# ahead (each step attends to the lists selected at the step before), fine clusters ranked by their key boxes (built,
+# cached with the prefix's index, adopted and grown by grafts below)
+SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
+          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2}),
+          "lychee-ahead-box": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
+
+
+def turns(request) -> list[str]:
+    """The servers this module's selected tests use, in the order pytest runs them (a module-scoped parameter's
+    tests run together): the data-parallel one, the dense reference, then the sparse ones."""
+    keys = []
+    for item in request.session.items:
+        if item.module is not request.module:
+            continue
+        if "sparse" in item.fixturenames:
+            used = ["off", item.callspec.params["sparse"]]
+        else:
+            used = ["off"] if "reference" in item.fixturenames else ["dp"] if "dp_server" in item.fixturenames else []
+        keys += [k for k in used if k not in keys]
+    return keys
+
+
+def server(model_dir: str, key: str) -> Server:
+    if key == "off":
+        return Server(model_dir, "off", extra=["--max-total-tokens", "65536"])
+    if key == "dp":
+        return Server(model_dir, "lychee", BUDGET, extra=["--dp-size", "2", "--max-total-tokens", "32768"])
+    method, cfg = SPARSE[key]
+    return Server(model_dir, method, {**BUDGET, **cfg}, extra=["--max-total-tokens", "65536", "--enable-metrics"])
+
+
 @pytest.fixture(scope="module")
-def reference(smollm2_dir, smollm2_tokenizer):
-    with Server(smollm2_dir, "off", extra=["--max-total-tokens", "65536"]) as srv:
+def lineup(request, smollm2_dir):
+    """The module's servers, started two at a time (bench.server.Lineup)."""
+    with Lineup({key: server(smollm2_dir, key) for key in turns(request)}) as line:
+        yield line
+
+
+@pytest.fixture(scope="module")
+def reference(lineup, smollm2_tokenizer):
+    with lineup.take("off") as srv:
         out = run_suite(srv, smollm2_tokenizer)
         # shared prefix: the second request reports the first one's tokens as cached
         prompt, _ = passkey(smollm2_tokenizer, 2000, 0.3, seed=5)
@@ -84,6 +124,34 @@ def reference(smollm2_dir, smollm2_tokenizer):
         second = srv.complete(prompt.replace("What is the pass key?", "Tell me the pass key."), max_tokens=1)
         out["cached"] = (first["usage"], second["usage"])
         return out
+
+
+@pytest.fixture
+def dp_server(lineup):
+    """First in turn: SGLang's data-parallel controller polls without sleeping, so it must not run beside the others."""
+    with lineup.take("dp") as srv:
+        yield srv
+
+
+def test_data_parallel_replicas_keep_their_own_state(dp_server, smollm2_tokenizer):
+    """--dp-size 2: each replica runs its own sparse state behind SGLang's round-robin router, so a prompt is
+    indexed once per replica it reaches and its index is reused only where the radix cache holds its prefix."""
+    prompt, _ = passkey(smollm2_tokenizer, 1500, 0.5, seed=13)
+    ids = smollm2_tokenizer.encode("Data-parallel check. " + prompt)
+
+    def replicas():
+        return sorted((s["sparse_kv_stats"] for s in dp_server.internal_states()), key=lambda st: st["dp_rank"])
+
+    before = replicas()
+    assert [st["dp_rank"] for st in before] == [0, 1]
+    for _ in range(3):   # round robin: replicas a, b, a
+        assert dp_server.generate_ids(ids, 4, ignore_eos=True)["meta_info"]["completion_tokens"] == 4
+    after = replicas()
+    delta = [{k: a[k] - b[k] for k in ("index_builds", "index_reused", "sparse_steps")} for a, b in zip(after, before)]
+    assert sorted(d["index_builds"] for d in delta) == [1, 1]   # each replica clustered the prompt once
+    assert sorted(d["index_reused"] for d in delta) == [0, 1]   # the third request found it cached on its replica
+    assert all(d["sparse_steps"] >= 3 for d in delta)
+    assert all(st["unit_refs_unaccounted"] == 0 for st in after)
 
 
 def test_off_is_plain_sglang(reference):
@@ -97,20 +165,10 @@ def test_off_is_plain_sglang(reference):
     assert len(reference["fork_answers"]) == 3
 
 
-# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
-# two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead-box: selection one step
-# ahead (each step attends to the lists selected at the step before), fine clusters ranked by their key boxes (built,
-# cached with the prefix's index, adopted and grown by grafts below)
-SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
-          "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2}),
-          "lychee-ahead-box": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
-
-
 @pytest.fixture(scope="module", params=list(SPARSE))
-def sparse(request, smollm2_dir, smollm2_tokenizer, reference):
+def sparse(request, lineup, smollm2_tokenizer, reference):
     method, extra_cfg = SPARSE[request.param]
-    with Server(smollm2_dir, method, {**BUDGET, **extra_cfg},
-                extra=["--max-total-tokens", "65536", "--enable-metrics"]) as srv:
+    with lineup.take(request.param) as srv:
         out = run_suite(srv, smollm2_tokenizer)
         out["head_roles"] = extra_cfg.get("head_roles", "all-retrieval")
         out["rerank_factor"] = extra_cfg.get("rerank_factor", 1)
@@ -245,24 +303,3 @@ def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
         assert reused >= n_prompt_units + grafted
     else:
         assert reused >= n_all_units
-
-
-def test_data_parallel_replicas_keep_their_own_state(smollm2_dir, smollm2_tokenizer):
-    """--dp-size 2: each replica runs its own sparse state behind SGLang's round-robin router, so a prompt is
-    indexed once per replica it reaches and its index is reused only where the radix cache holds its prefix."""
-    prompt, _ = passkey(smollm2_tokenizer, 1500, 0.5, seed=13)
-    ids = smollm2_tokenizer.encode("Data-parallel check. " + prompt)
-    with Server(smollm2_dir, "lychee", BUDGET, extra=["--dp-size", "2", "--max-total-tokens", "32768"]) as srv:
-        def replicas():
-            return sorted((s["sparse_kv_stats"] for s in srv.internal_states()), key=lambda st: st["dp_rank"])
-
-        before = replicas()
-        assert [st["dp_rank"] for st in before] == [0, 1]
-        for _ in range(3):   # round robin: replicas a, b, a
-            assert srv.generate_ids(ids, 4, ignore_eos=True)["meta_info"]["completion_tokens"] == 4
-        after = replicas()
-    delta = [{k: a[k] - b[k] for k in ("index_builds", "index_reused", "sparse_steps")} for a, b in zip(after, before)]
-    assert sorted(d["index_builds"] for d in delta) == [1, 1]   # each replica clustered the prompt once
-    assert sorted(d["index_reused"] for d in delta) == [0, 1]   # the third request found it cached on its replica
-    assert all(d["sparse_steps"] >= 3 for d in delta)
-    assert all(st["unit_refs_unaccounted"] == 0 for st in after)
