@@ -8,7 +8,7 @@ A cell names its commit, and its card where that is not an H200; ``bench/RESULTS
 from __future__ import annotations
 
 from bench.report import md_table
-from bench.targets import (FIDELITY, FIDELITY_16384, LONG, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
+from bench.targets import (FIDELITY, LONG, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
                            SHARED_AHEAD_BOX, TPOT, TPOT_AHEAD, TPOT_AHEAD_BOX, TPOT_AHEAD_JOIN, correct, index_shares,
                            latest_run, load, over_4k, batch16_32k, selection_ms)
 
@@ -39,11 +39,6 @@ def answers(length: str) -> list[str]:
     if any(r["method"] == "lychee-fixed" for r in runs):
         fixed = latest_run(runs, "lychee-fixed")
         cells["lychee"] += f"; with fixed 16-token chunks {correct(fixed)} {at(fixed)}"
-    if length == "16K":   # select_ahead with box ran at 16384 tokens, beside Quest on the same samples
-        other = load(FIDELITY_16384)["runs"]
-        ahead_box, quest = latest_run(other, "lychee-ahead-box-0.25"), latest_run(other, "quest")
-        cells["lychee-ahead-box-0.25"] = (f"{correct(ahead_box)} of other samples (16384 tokens), where Quest answers "
-                                          f"{correct(quest)} {at(ahead_box)}")
     read = got["lychee"]["kv_read"]
     return [f"answers at {length} ({read:.1%} of the KV read)", *cells.values()]
 

@@ -677,6 +677,8 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_aheadbox_tpot.json", methods_serving_table),
+                     ("serving_profile_h200_b1_32k.json", step_profile_table),
+                     ("serving_profile_h200_b1_126k.json", step_profile_table),
                      ("gpu_serving_h200_aheadbox_shared.json", methods_serving_table),
                      ("fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_box.json", variants_serving_table),

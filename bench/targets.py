@@ -226,8 +226,9 @@ def structured_vs_quest() -> list[str]:
             "answers Quest keeps and lychee loses (most on code return) copy single tokens that dense attention weighs "
             "alone; whole chunks ranked by their centroids miss them where Quest's per-page key bounds catch them")
     full = load(FIDELITY["16K"])["runs"]
-    boxes = ", ".join(f"{correct(latest_run(full, m), cells)} ({m})" for m in ("lychee-box-0.25", "lychee-box"))
-    why += f"; ranked by their tokens' key boxes instead (fine_bound box) at 1024: {boxes}, `{FIDELITY['16K']}`"
+    box = ", ".join(f"{correct(latest_run(full, 'lychee-box-0.25', b), cells)} at {b}" for b in (512, 1024, 2048))
+    why += (f"; ranked by their tokens' key boxes instead (fine_bound box, on the same samples): {box}; with "
+            f"`select_ahead` {correct(latest_run(full, 'lychee-ahead-box-0.25'), cells)} at 1024, `{FIDELITY['16K']}`")
     other = load(FIDELITY_16384)["runs"]
     at16384 = {f"{t}@16384" for t in STRUCTURED}
     ahead_box, quest = (correct(latest_run(other, m), at16384) for m in ("lychee-ahead-box-0.25", "quest"))
@@ -253,6 +254,7 @@ TABLES = {"targets10": ("Issue #10's targets (each serving result from one H200,
                         (shared_prefix, random_ids, tpot_batch1, host_time, selection, index_memory)),
           "targets11": ("Issue #11's targets (Qwen2.5-Coder-0.5B, real weights, one H200, CUDA graphs on)",
                         (lambda: near_dense("16K"), lambda: near_dense("16K", "lychee-box-0.25", "fine_bound box"),
+                         lambda: near_dense("16K", "lychee-ahead-box-0.25", "select_ahead and fine_bound box"),
                          lambda: near_dense("30K"), lambda: near_dense("30K", "lychee-box-0.25", "fine_bound box"),
                          lambda: near_dense("30K", "lychee-ahead-box-0.25", "select_ahead and fine_bound box"),
                          structured_vs_quest, recall))}

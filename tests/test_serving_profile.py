@@ -34,6 +34,7 @@ def test_step_profile_splits_replays_and_counts_idle_and_eager_work():
     assert got["outside_graph"] == pytest.approx(0.035)
     assert got["idle"] == pytest.approx((0.33 + 0.4) / 2)
     assert list(got["top_kernels_ms"]) == ["nvjet_tst_128x64", "_partial_kernel", "_fine_bounds_kernel"]
+    assert got["top_outside_ms"] == {"_graft_kernel": 0.025, "Memcpy HtoD (Pinned -> Device)": 0.01}
 
 
 def test_step_profile_refuses_a_window_without_two_replays():
@@ -44,7 +45,8 @@ def test_step_profile_refuses_a_window_without_two_replays():
 @pytest.mark.parametrize("name,kind", [("_emit_write_kernel", "selection"), ("_merge_kernel", "sparse_attention"),
                                        ("_graft_kernel", "index_upkeep"), ("void flashinfer::BatchDecodeWithPaged",
                                                                            "dense_attention"),
-                                       ("sm90_xmma_gemm_bf16", "matmul"), ("rms_norm_kernel", "other")])
+                                       ("sm90_xmma_gemm_bf16", "matmul"), ("rms_norm_kernel", "other"),
+                                       ("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>", "other")])
 def test_kernel_kinds(name, kind):
     assert kind_of(name) == kind
 
