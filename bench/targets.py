@@ -231,7 +231,8 @@ def structured_vs_quest() -> list[str]:
 
     dense = correct(at["off", None], cells)
     measured = (f"16K, {n} samples of the four structured tasks: lychee {curve('lychee')}; Quest {curve('quest')}; "
-                f"dense {dense}; `{STRUCTURED_BUDGETS}` and its `.png`")
+                f"dense {dense}; `{STRUCTURED_BUDGETS}` and its `.png`; every option's curve at 16K, all ten tasks "
+                f"and these four: `fidelity_qwen2.5-coder-0.5b_16k_frontier.png` (`python -m bench.frontier`)")
     short = {m: dense - correct(at[m, b], cells) for m, b in (("quest", 2048), ("lychee", 4096))}
     ceiling = (dense - correct(at["quest", 1024], cells)) / n * 100
     why = (f"dense itself is only {ceiling:.1f} points above Quest at 1024, so on these tasks the target asks more than "

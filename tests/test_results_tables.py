@@ -37,3 +37,25 @@ def test_every_glance_row_fills_every_option():
     for row in ROWS:
         cells = row()
         assert len(cells) == len(COLUMNS) + 1 and all(cells), cells
+
+
+def test_frontier_takes_each_points_latest_run_across_files(monkeypatch):
+    """bench.frontier: per (option, budget), the run of the later commit whichever file holds it, over runs that
+    scored every cell asked with 50 samples; other methods and short runs are left out."""
+    import bench.frontier
+    from bench.frontier import latest
+
+    # commit times as git gives them (b432e23 on 2026-11-26, 516fbe5 on 2026-12-02), whatever this clone's depth
+    times = {"b432e23": 1764190219, "516fbe5": 1764678685, "753310e": 1764100000}
+    monkeypatch.setattr(bench.frontier, "committed_at", times.__getitem__)
+
+    def run(method, budget, commit, correct, n=50, cells=("json_value@16000",)):
+        return {"method": method, "budget": budget, "commit": commit,
+                "counts": {c: {"correct": correct, "n": n} for c in cells}}
+
+    first = [run("lychee", 512, "516fbe5", 9), run("quest", 1024, "516fbe5", 17), run("off", None, "753310e", 21)]
+    second = [run("lychee", 512, "b432e23", 3), run("quest", 1024, "b432e23", 5, n=20),
+              run("lychee-upper-bound", 512, "b432e23", 1)]
+    got = latest(first, second, cells={"json_value@16000"})
+    assert got == {("lychee", 512): (9, "516fbe5"), ("quest", 1024): (17, "516fbe5"), ("off", None): (21, "753310e")}
+    assert latest(second, first, cells={"json_value@16000"}) == got

@@ -1,0 +1,76 @@
+"""Accuracy against budget at 16K on the GPU harness's samples (Qwen2.5-Coder-0.5B, real weights, 50 samples of
+each task), from the committed results: every ten-task run at its latest commit, and Quest beside lychee and the
+box on the four structured tasks (the same seeded samples, one dense run for both files).
+
+    python -m bench.frontier    # bench/results/fidelity_qwen2.5-coder-0.5b_16k_frontier.png
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+from bench.targets import FIDELITY, STRUCTURED_BUDGETS, correct, load
+from bench.tasks import STRUCTURED
+
+OUT = "bench/results/fidelity_qwen2.5-coder-0.5b_16k_frontier.png"
+# the options as the README names them, by the names bench.fidelity gives their runs
+OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
+           "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest"}
+
+
+def committed_at(commit: str) -> int:
+    """The commit's time (0 where this checkout does not know it): which of two files' runs is the later."""
+    got = subprocess.run(["git", "show", "-s", "--format=%ct", commit], capture_output=True, text=True)
+    return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
+
+
+def latest(*results: list, cells: set[str]) -> dict:
+    """(method, budget) -> (answers over ``cells``, commit) of its latest run that scored all of them, 50 each."""
+    out = {}
+    for runs in results:
+        for r in runs:
+            if (r["method"] in OPTIONS or r["method"] == "off") and cells <= r["counts"].keys() \
+                    and all(r["counts"][c]["n"] == 50 for c in cells):
+                commit = r.get("commit", "").split(" ")[0]
+                key = r["method"], r["budget"]
+                if key not in out or committed_at(commit) >= committed_at(out[key][1]):
+                    out[key] = (correct(r, cells), commit)
+    return out
+
+
+def panel(ax, points: dict, of: int, title: str) -> None:
+    for method, label in OPTIONS.items():
+        got = sorted((b, n, c) for (m, b), (n, c) in points.items() if m == method)
+        if got:
+            ax.plot([b for b, _, _ in got], [n for _, n, _ in got], marker="o", label=label)
+            for b, n, c in got:
+                ax.annotate(c, (b, n), fontsize=6, textcoords="offset points", xytext=(3, -9))
+    ax.axhline(points["off", None][0], color="k", linestyle="--", label="dense")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token budget per request, layer and KV head")
+    ax.set_ylabel(f"answers of {of}")
+    ax.set_title(title, fontsize=9)
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = load(FIDELITY["16K"])["runs"]
+    every = set(runs[0]["counts"])
+    structured = {f"{t}@16000" for t in STRUCTURED}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    panel(axes[0], latest(runs, cells=every), 50 * len(every), "all ten tasks")
+    panel(axes[1], latest(load(STRUCTURED_BUDGETS)["runs"], runs, cells=structured), 50 * len(structured),
+          "the four structured tasks (JSON, YAML, code)")
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Qwen2.5-Coder-0.5B at 16K, one H200 or H100 per run, 50 samples per task: each point the latest "
+                 "run of its (option, budget), labelled with its commit", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT, dpi=80)
+
+
+if __name__ == "__main__":
+    main()
