@@ -96,11 +96,12 @@ def run_driver(cmd: list[str], timeout: float, grace: float = 120, **kw) -> subp
 
 class Lineup:
     """Servers taken in turn and started in groups: taking one that is not started yet starts it together with the
-    next ``ahead`` ones. A CPU server's start (about 80 s on 2 cores) is mostly one process at a time importing
-    SGLang, so two starting together take barely longer than one (81 s against 77 s measured); a started server
-    sleeps until its turn (``--sleep-on-idle``). A group starts only when the one before is taken, never beside a
-    server at work: its imports would take a core from the torch threads serving, which then wait on each other
-    (a CPU decode step ran 10x slower). On one GPU, ``ahead=0``: two servers would split its memory.
+    next ``ahead`` ones; a started server sleeps until its turn (``--sleep-on-idle``). On a 2-core CPU a server's
+    start is mostly SGLang's imports, and part of it leaves a core free: in CI the e2e module's six servers took
+    543 s with pairs against 663 s one by one, while the quick fidelity run's four took as long either way (pairs
+    ready in 84-96 s). A group starts only when a server not started yet is taken, never beside a server at work:
+    its imports would take a core from the torch threads serving, which then wait on each other (a CPU decode step
+    ran 10x slower). On one GPU, ``ahead=0``: two servers would split its memory.
 
         with Lineup({"off": Server(...), "lychee": Server(...)}) as lineup:
             with lineup.take("off") as srv: ...
@@ -150,7 +151,7 @@ class Server:
         self.timeout = timeout
         self.proc = None
 
-    def launch(self) -> "Server":
+    def launch(self) -> Server:
         """Starts the server without waiting for it (``with`` waits); a second call does nothing."""
         if self.proc is None:
             self.log = open(self.log_path, "w")
