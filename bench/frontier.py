@@ -7,6 +7,7 @@ box on the four structured tasks (the same seeded samples, one dense run for bot
 
 from __future__ import annotations
 
+import functools
 import subprocess
 
 from bench.targets import FIDELITY, STRUCTURED_BUDGETS, correct, load
@@ -18,6 +19,7 @@ OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "l
            "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest"}
 
 
+@functools.cache
 def committed_at(commit: str) -> int:
     """The commit's time (0 where this checkout does not know it): which of two files' runs is the later."""
     got = subprocess.run(["git", "show", "-s", "--format=%ct", commit], capture_output=True, text=True)

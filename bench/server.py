@@ -149,7 +149,7 @@ class Server:
         self.env.pop("TRITON_INTERPRET", None)  # set by the CPU test session for kernel tests only
         self.log_path = log_path or f"/tmp/sglang-{method}-{self.port}.log"
         self.timeout = timeout
-        self.proc = None
+        self.proc = self.log = None
 
     def launch(self) -> Server:
         """Starts the server without waiting for it (``with`` waits); a second call does nothing."""
@@ -202,7 +202,9 @@ class Server:
                     break
             self.proc.wait()
             self.proc = None
+        if self.log is not None:   # also where the launch itself failed
             self.log.close()
+            self.log = None
 
     def tail(self, n: int = 60) -> str:
         with open(self.log_path) as f:
