@@ -39,11 +39,41 @@ def attach(server_args, method: str, overrides) -> None:
     server_args.sparse_kv_config = cfg.to_dict()
 
 
+BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
+def wrapped_backend(device: str | None) -> str | None:
+    """The attention backend sparse-kv wraps where the user names none (None: leave SGLang's choice, which the
+    startup check then names). SGLang's own defaults are backends it does not wrap: fa3 on a Hopper GPU, intel_amx
+    on an x86 CPU with AMX."""
+    from sglang.srt.utils import get_device, is_flashinfer_available
+
+    if device is None:
+        try:
+            device = get_device()   # what SGLang resolves a missing --device to
+        except RuntimeError:
+            return None
+    if device.startswith("cpu"):
+        return "torch_native"
+    if device.startswith("cuda"):
+        return "flashinfer" if is_flashinfer_available() else "triton"
+    return None
+
+
+def choose_backend(get, put) -> None:
+    """Fill in :func:`wrapped_backend` where no attention-backend flag was given; ``get``/``put`` read and write the
+    CLI namespace or ServerArgs' keyword arguments."""
+    if all(get(f) is None for f in BACKEND_FLAGS):
+        backend = wrapped_backend(get("device"))
+        if backend is not None:
+            put("attention_backend", backend)
+            logger.info("sparse-kv: --attention-backend %s (no attention backend given)", backend)
+
+
 def from_cli_args(original, cls, args: argparse.Namespace):
     method = getattr(args, "sparse_kv", "off")
     if method != "off":
-        if getattr(args, "device", None) == "cpu" and getattr(args, "attention_backend", None) is None:
-            args.attention_backend = "torch_native"  # SGLang's x86 CPU default (intel_amx) is not a backend we wrap
+        choose_backend(lambda f: getattr(args, f, None), lambda f, v: setattr(args, f, v))
         args.disable_prefill_cuda_graph = True  # prefill does host bookkeeping per batch; decode graphs stay on
     server_args = original(cls, args)
     try:
@@ -58,8 +88,7 @@ def server_args_init(original, self, *args, **kwargs):
     method = kwargs.pop("sparse_kv", "off")
     overrides = kwargs.pop("sparse_kv_config", None)
     if method != "off":
-        if kwargs.get("device") == "cpu" and kwargs.get("attention_backend") is None:
-            kwargs["attention_backend"] = "torch_native"
+        choose_backend(kwargs.get, kwargs.__setitem__)
         kwargs["disable_prefill_cuda_graph"] = True
     original(self, *args, **kwargs)
     attach(self, method, overrides)

@@ -10,6 +10,7 @@ import pytest
 
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.patches.checks import check_model, check_server_args
+from sgl_sparsekv.patches.flags import choose_backend, wrapped_backend
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -194,6 +195,37 @@ def test_engine_kwargs(smollm2_dir):
     with pytest.raises(ConfigError, match="unknown key 'budget'"):
         ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="quest", sparse_kv_config={"budget": 512})
     assert ServerArgs(model_path=smollm2_dir, device="cpu").sparse_kv == "off"
+
+
+@pytest.mark.parametrize("device,flashinfer,expected", [
+    ("cpu", False, "torch_native"),          # SGLang's x86 default with AMX is intel_amx
+    ("cuda", True, "flashinfer"),            # SGLang's Hopper default is fa3
+    ("cuda:1", False, "triton"),
+    (None, True, "flashinfer"),              # no --device: what SGLang resolves it to (here a GPU)
+    ("xpu", True, None),                     # left to SGLang, and to the startup check that names it
+])
+def test_a_backend_we_wrap_where_none_is_given(monkeypatch, device, flashinfer, expected):
+    import sglang.srt.utils as su
+
+    monkeypatch.setattr(su, "is_flashinfer_available", lambda: flashinfer)
+    monkeypatch.setattr(su, "get_device", lambda: "cuda")
+    assert wrapped_backend(device) == expected
+    args = dict(device=device)
+    choose_backend(args.get, args.__setitem__)
+    assert args.get("attention_backend") == expected
+    given = dict(device=device, decode_attention_backend="triton")
+    choose_backend(given.get, given.__setitem__)
+    assert "attention_backend" not in given
+
+
+def test_no_device_and_no_backend_resolve_as_sglang_would(monkeypatch):
+    import sglang.srt.utils as su
+
+    def no_accelerator():
+        raise RuntimeError("No accelerator")
+
+    monkeypatch.setattr(su, "get_device", no_accelerator)
+    assert wrapped_backend(None) is None
 
 
 def _launch_renamed(*args):
