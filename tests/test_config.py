@@ -228,6 +228,12 @@ def test_no_device_and_no_backend_resolve_as_sglang_would(monkeypatch):
     assert wrapped_backend(None) is None
 
 
+@pytest.mark.gpu
+def test_the_gpu_resolves_to_flashinfer():
+    """On the device itself: no --device, no backend -> SGLang's device resolution says cuda, FlashInfer is there."""
+    assert wrapped_backend(None) == "flashinfer"
+
+
 def _launch_renamed(*args):
     """As _launch, on an SGLang whose ModelRunner._get_attention_backend was renamed (what an upgrade could do)."""
     code = ("import sys; import sglang.srt.model_executor.model_runner as mr; "
