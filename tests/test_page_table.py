@@ -42,7 +42,7 @@ def test_page_table_real_shapes(lens, shifted):
     check(lens, 131_072, shifted, seed=len(lens))
 
 
-def test_gpu_backends_get_the_writer_only_for_sglangs_kernel():
+def test_gpu_backends_get_the_writer_only_for_sglangs_kernel(monkeypatch):
     """patches/backend.py replaces the kernel in the wrapped backend's module where it takes SGLang 0.5.15's
     parameters (as flashinfer's and triton's backends import it), once; another kernel stays."""
     import sys
@@ -59,7 +59,7 @@ def test_gpu_backends_get_the_writer_only_for_sglangs_kernel():
 
     for kernel, replaced in ((create_flashinfer_kv_indices_triton, True), (other, False)):
         module = types.ModuleType("fake_backend_module")
-        sys.modules[module.__name__] = module
+        monkeypatch.setitem(sys.modules, module.__name__, module)
         backend = type("FakeBackend", (), {"__module__": module.__name__})()
         setattr(module, PAGE_TABLE_KERNEL, kernel)
         write_page_tables_wide(backend)
@@ -67,4 +67,3 @@ def test_gpu_backends_get_the_writer_only_for_sglangs_kernel():
         assert isinstance(writer, PageTableWriter) == replaced
         write_page_tables_wide(backend)   # a second backend in the process
         assert getattr(module, PAGE_TABLE_KERNEL) is writer
-        del sys.modules[module.__name__]
