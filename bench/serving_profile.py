@@ -87,12 +87,12 @@ def step_profile(events: list[dict]) -> dict:
             if hi > lo:
                 busy += hi - lo
                 reach = hi
-        for e in window:
-            if id(e) not in inside:
-                outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
+        outside = [e for e in window if id(e) not in inside]
+        for e in outside:
+            outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
         steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
                       "idle": end - start - busy, "kernels_in_graph": len(kernels),
-                      "outside_graph": sum(e["dur"] for e in window if id(e) not in inside), **kinds})
+                      "outside_graph": sum(e["dur"] for e in outside), **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
     out["kernels_in_graph"] = sorted({s["kernels_in_graph"] for s in steps})
