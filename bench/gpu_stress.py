@@ -3,6 +3,7 @@
     python3 -m bench.gpu_stress --model /tmp/m8b --out $OUT/stress.json          # < 10 minutes on an H100
     python3 -m bench.gpu_stress --model /tmp/tiny --small --out /tmp/stress.json  # the `-m gpu` test
     python3 -m bench.gpu_stress --model /tmp/tiny --small --tp-size 2 --out /tmp/stress.json   # two GPUs
+    python3 -m bench.gpu_stress --model /tmp/tiny --small --page-size 16 --out /tmp/stress.json  # paged KV
 
 One lychee server (CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
 small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads:
@@ -31,8 +32,8 @@ from bench.server import Server
 BUDGET = 1024
 
 
-def server_args(small: bool, tp_size: int = 1) -> list[str]:
-    return ["--tp-size", str(tp_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend",
+def server_args(small: bool, tp_size: int = 1, page_size: int = 1) -> list[str]:
+    return ["--tp-size", str(tp_size), "--page-size", str(page_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend",
             "pytorch", "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
             "--max-total-tokens", "40000" if small else "262144", "--context-length", "70000",
             "--mem-fraction-static", "0.8", "--enable-metrics"]
@@ -130,13 +131,14 @@ def main():
     ap.add_argument("--small", action="store_true", help="a tiny model and short prompts (the -m gpu test)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=1, help="SGLang's KV page (the paged allocator and radix tree)")
     a = ap.parse_args()
     import torch
 
     n = 24 if a.small else a.requests
     jobs = plan(a.seed, n, a.small)
     res = {"device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(a).items() if k != "out"},
-           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size), "budget": BUDGET}
+           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size, a.page_size), "budget": BUDGET}
     cfg = {"token_budget": BUDGET}
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:

@@ -18,7 +18,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$1" in
   tests)
-    timeout 560 python3 -m pytest -m gpu -q tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    timeout 560 python3 -m pytest -m gpu -q tests -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   serve)
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
