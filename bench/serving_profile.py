@@ -60,7 +60,8 @@ def step_profile(events: list[dict]) -> dict:
     A kernel belongs to a replay when it carries the correlation id of a ``cudaGraphLaunch`` runtime call; kernels
     and copies with another id that start between two replays are counted to the later one as ``outside_graph``.
     ``period`` runs from one replay's first kernel to the next one's, ``idle`` is the part of it no kernel or copy
-    ran in (the GPU waited for the host)."""
+    ran in (the GPU waited for the host). ``main_stream_busy`` is the time the graph's kernels on its capture stream
+    ran, ``side_stream_busy`` the time its kernels on other streams did, ``streams_concurrent`` the time both did."""
     launches = {e["args"]["correlation"] for e in events
                 if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
     work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -81,18 +82,19 @@ def step_profile(events: list[dict]) -> dict:
         for k in kernels:
             kind = kind_of(k["name"])
             kinds[kind] = kinds.get(kind, 0.0) + k["dur"]
-        busy, reach = 0.0, start   # the union of the window's busy intervals
-        for e in window:
-            lo, hi = max(e["ts"], reach), min(e["ts"] + e["dur"], end)
-            if hi > lo:
-                busy += hi - lo
-                reach = hi
+        busy = _length(_union(window, end))
         outside = [e for e in window if id(e) not in inside]
         for e in outside:
             outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
+        # the graph's first kernel runs on the stream it was captured on; kernels on any other stream were forked
+        # from it (select_ahead's side stream): how long each side ran, and how long both did at once
+        main = [k for k in kernels if _stream(k) == _stream(kernels[0])]
+        main_busy, side_busy = _union(main, end), _union([k for k in kernels if _stream(k) != _stream(kernels[0])], end)
         steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
                       "idle": end - start - busy, "kernels_in_graph": len(kernels),
-                      "outside_graph": sum(e["dur"] for e in outside), **kinds})
+                      "outside_graph": sum(e["dur"] for e in outside), "main_stream_busy": _length(main_busy),
+                      "side_stream_busy": _length(side_busy), "streams_concurrent": _overlap(main_busy, side_busy),
+                      **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
     out["kernels_in_graph"] = sorted({s["kernels_in_graph"] for s in steps})
@@ -106,6 +108,39 @@ def step_profile(events: list[dict]) -> dict:
     # work) by name: its growth with the context is part of the step's
     out["top_outside_ms"] = _top(outside_names, len(steps), 8)
     return out
+
+
+def _stream(e: dict):
+    return e.get("args", {}).get("stream", e.get("tid"))
+
+
+def _union(events: list[dict], end: float) -> list[tuple[float, float]]:
+    """The events' busy time, cut at ``end``, as disjoint sorted intervals."""
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted((e["ts"], min(e["ts"] + e["dur"], end)) for e in events):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The time two lists of disjoint sorted intervals share."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _top(names: dict[str, float], steps: int, n: int) -> dict[str, float]:
