@@ -33,10 +33,10 @@ BUDGET = 1024
 
 
 def server_args(small: bool, tp_size: int = 1, page_size: int = 1) -> list[str]:
-    return ["--tp-size", str(tp_size), "--page-size", str(page_size), "--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend",
-            "pytorch", "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--max-running-requests", "32",
-            "--max-total-tokens", "40000" if small else "262144", "--context-length", "70000",
-            "--mem-fraction-static", "0.8", "--enable-metrics"]
+    return ["--tp-size", str(tp_size), "--page-size", str(page_size), "--load-format", "dummy", "--grammar-backend",
+            "none", "--sampling-backend", "pytorch", "--attention-backend", "triton", "--cuda-graph-max-bs", "8",
+            "--max-running-requests", "32", "--max-total-tokens", "40000" if small else "262144", "--context-length",
+            "70000", "--mem-fraction-static", "0.8", "--enable-metrics"]
 
 
 def plan(seed: int, n: int, small: bool) -> list[dict]:
@@ -138,7 +138,8 @@ def main():
     n = 24 if a.small else a.requests
     jobs = plan(a.seed, n, a.small)
     res = {"device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(a).items() if k != "out"},
-           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size, a.page_size), "budget": BUDGET}
+           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size, a.page_size),
+           "budget": BUDGET}
     cfg = {"token_budget": BUDGET}
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
