@@ -146,6 +146,10 @@ class Server:
             self.args += CPU_ARGS
         self.args += list(extra)
         self.env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1") if cpu else dict(os.environ)
+        # a server is stopped by SIGTERM, which SGLang treats as a crash: with these on (its default) it sleeps 5 s
+        # before py-spy and CUDA core dumps on every stop
+        for var in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+            self.env.setdefault(var, "0")
         self.env.pop("TRITON_INTERPRET", None)  # set by the CPU test session for kernel tests only
         self.log_path = log_path or f"/tmp/sglang-{method}-{self.port}.log"
         self.timeout = timeout

@@ -151,3 +151,14 @@ def test_steady_decode_reads_the_full_batch_lines_of_the_servers_log():
     r = ratios({**base, "steady_decode": steady_decode(log, 8)}, {**base, "steady_decode": got})
     assert r["steady_decode_ratio"] == round(1610.2 / 900.0, 3)
     assert ratios({**base, "steady_decode": None}, {**base, "steady_decode": got})["steady_decode_ratio"] is None
+
+
+def test_servers_stop_without_sglangs_crash_diagnostics(monkeypatch):
+    """SGLang takes the SIGTERM that stops a server for a crash and, by default, sleeps 5 s before py-spy and CUDA
+    core dumps: the harness's servers turn that off, unless the caller's environment asks for it."""
+    from bench.server import Server
+
+    env = Server("m", "off").env
+    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    assert Server("m", "off", cpu=False).env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
