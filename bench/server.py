@@ -140,6 +140,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                      "--port", str(self.port), "--enable-cache-report", "--sparse-kv", method]
+        # SGLang takes its NCCL port by binding port 0 and letting it go; its scheduler binds it some 20 s later, and
+        # a CI server found it taken then. Ours comes from the ports this process claims (not with --dp-size: every
+        # replica would bind the one given)
+        self.nccl_port = None
+        if "--dp-size" not in extra and "--nccl-port" not in extra:
+            self.nccl_port = free_port()
+            _claimed.add(self.nccl_port)
+            self.args += ["--nccl-port", str(self.nccl_port)]
         if config:
             self.args += ["--sparse-kv-config", json.dumps(config)]
         if cpu:
@@ -193,7 +201,7 @@ class Server:
     def __exit__(self, *exc):
         """Stops the server's whole process group (its schedulers hold the GPU memory) and waits until it is
         gone, so the next server on these GPUs finds their memory free."""
-        _claimed.discard(self.port)
+        _claimed.difference_update((self.port, self.nccl_port))
         if self.proc:
             group = self.proc.pid
             for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -158,7 +158,29 @@ def test_servers_stop_without_sglangs_crash_diagnostics(monkeypatch):
     core dumps: the harness's servers turn that off, unless the caller's environment asks for it."""
     from bench.server import Server
 
-    env = Server("m", "off").env
-    assert env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    quiet = Server("m", "off")
+    assert quiet.env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == quiet.env["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
-    assert Server("m", "off", cpu=False).env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    asked = Server("m", "off", cpu=False)
+    assert asked.env["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    for s in (quiet, asked):
+        s.__exit__()   # never launched: gives its ports back
+
+
+def test_servers_get_their_nccl_port_from_the_claimed_ports():
+    """SGLang's own NCCL port is bound port 0 let go, then bound again by the scheduler ~20 s later (a CI server
+    found it taken): the harness gives one from the ports it claims, apart from every other server's, but not to a
+    --dp-size server, whose replicas would all bind the one given."""
+    from bench.server import DERIVED, Server, _claimed
+
+    a, b = Server("m", "off"), Server("m", "lychee", extra=["--max-total-tokens", "4096"])
+    ports = [a.port, a.nccl_port, b.port, b.nccl_port]
+    for s in (a, b):
+        assert s.args[s.args.index("--nccl-port") + 1] == str(s.nccl_port)
+    assert all(abs(p - q) >= DERIVED for i, p in enumerate(ports) for q in ports[i + 1:]), ports
+    assert set(ports) <= _claimed
+    dp = Server("m", "lychee", extra=["--dp-size", "2"])
+    assert dp.nccl_port is None and "--nccl-port" not in dp.args
+    for s in (a, b, dp):
+        s.__exit__()
+    assert not set(ports + [dp.port]) & _claimed
