@@ -88,8 +88,9 @@ def step_profile(events: list[dict]) -> dict:
             outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
         # the graph's first kernel runs on the stream it was captured on; kernels on any other stream were forked
         # from it (select_ahead's side stream): how long each side ran, and how long both did at once
-        main = [k for k in kernels if _stream(k) == _stream(kernels[0])]
-        main_busy, side_busy = _union(main, end), _union([k for k in kernels if _stream(k) != _stream(kernels[0])], end)
+        capture = _stream(kernels[0])
+        main_busy = _union([k for k in kernels if _stream(k) == capture], end)
+        side_busy = _union([k for k in kernels if _stream(k) != capture], end)
         steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
                       "idle": end - start - busy, "kernels_in_graph": len(kernels),
                       "outside_graph": sum(e["dur"] for e in outside), "main_stream_busy": _length(main_busy),

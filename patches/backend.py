@@ -127,8 +127,8 @@ def write_page_tables_wide(inner) -> None:
     """Before every decode graph replay the wrapped backend rewrites the dense layers' page table (every token of
     every request) with SGLang's kernel, one program per request: 0.122 ms of the step at batch 1 and 126K, where
     kernels/page_table.py's writer, the same entries from many programs, takes 0.005 ms
-    (bench/results/serving_profile_h200_b1_126k_pagetable.json). Its module gets that writer instead. A kernel with other parameters is left alone (serving
-    stays correct, only slower)."""
+    (bench/results/serving_profile_h200_b1_126k_pagetable.json). Its module gets that writer instead. A kernel
+    with other parameters is left alone (serving stays correct, only slower)."""
     module = sys.modules[type(inner).__module__]
     kernel = getattr(module, PAGE_TABLE_KERNEL, None)
     if kernel is None or isinstance(kernel, PageTableWriter):
