@@ -477,17 +477,17 @@ def step_profile_table(path: Path) -> str:
     kinds = ["matmul", "dense_attention", "selection", "sparse_attention", "index_upkeep", "other", "outside_graph",
              "idle"]
     period = r["dense"]["period"] if "dense" in r else None
-    streams = ["main_stream_busy", "side_stream_busy", "streams_concurrent"]   # older profiles lack them
+    overlap = ["selection_busy", "others_busy", "selection_beside_others", "selection_tail"]   # older ones lack them
     rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}" if period else "-",
-             *(f"{r[m].get(k, 0):.2f}" for k in kinds), *(f"{r[m][k]:.2f}" if k in r[m] else "-" for k in streams),
+             *(f"{r[m].get(k, 0):.2f}" for k in kinds), *(f"{r[m][k]:.2f}" if k in r[m] else "-" for k in overlap),
              r[m]["steps"]) for m in r["settings"]["methods"]]
     return md_table(f"Where a serving step's time goes, {r['device']} ({r['gpu']}), {r['model']}, "
                     f"{r['settings']['backend']}, CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: "
                     f"{r['what']}. Step = one replay's first kernel to the next one's; idle = the part of it no kernel "
                     f"or copy ran in (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "step ms", "vs dense", "matmul", "dense attention", "selection", "sparse attention",
-                     "index upkeep", "other kernels", "outside the graph", "GPU idle", "capture stream busy",
-                     "side stream busy", "both at once", "steps"], rows)
+                     "index upkeep", "other kernels", "outside the graph", "GPU idle", "selection running",
+                     "the rest running", "both at once", "selection after the rest", "steps"], rows)
 
 
 def busy_lifecycle_table(path: Path) -> str:

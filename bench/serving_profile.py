@@ -60,8 +60,11 @@ def step_profile(events: list[dict]) -> dict:
     A kernel belongs to a replay when it carries the correlation id of a ``cudaGraphLaunch`` runtime call; kernels
     and copies with another id that start between two replays are counted to the later one as ``outside_graph``.
     ``period`` runs from one replay's first kernel to the next one's, ``idle`` is the part of it no kernel or copy
-    ran in (the GPU waited for the host). ``main_stream_busy`` is the time the graph's kernels on its capture stream
-    ran, ``side_stream_busy`` the time its kernels on other streams did, ``streams_concurrent`` the time both did."""
+    ran in (the GPU waited for the host). ``selection_busy`` is the time the graph's selection kernels ran,
+    ``others_busy`` the time its other kernels did, ``selection_beside_others`` the time both did (select_ahead's
+    side stream), ``selection_tail`` the time selection ran after the last other kernel ended (the step waited for
+    it). By kind, not stream: a replay runs a graph's branches on streams the driver picks, and it runs part of the
+    capture stream's chain on the side branch's stream."""
     launches = {e["args"]["correlation"] for e in events
                 if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
     work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -86,15 +89,13 @@ def step_profile(events: list[dict]) -> dict:
         outside = [e for e in window if id(e) not in inside]
         for e in outside:
             outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
-        # the graph's first kernel runs on the stream it was captured on; kernels on any other stream were forked
-        # from it (select_ahead's side stream): how long each side ran, and how long both did at once
-        capture = _stream(kernels[0])
-        main_busy = _union([k for k in kernels if _stream(k) == capture], end)
-        side_busy = _union([k for k in kernels if _stream(k) != capture], end)
+        picks = _union([k for k in kernels if kind_of(k["name"]) == "selection"], end)
+        others = _union([k for k in kernels if kind_of(k["name"]) != "selection"], end)
         steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
                       "idle": end - start - busy, "kernels_in_graph": len(kernels),
-                      "outside_graph": sum(e["dur"] for e in outside), "main_stream_busy": _length(main_busy),
-                      "side_stream_busy": _length(side_busy), "streams_concurrent": _overlap(main_busy, side_busy),
+                      "outside_graph": sum(e["dur"] for e in outside), "selection_busy": _length(picks),
+                      "others_busy": _length(others), "selection_beside_others": _overlap(picks, others),
+                      "selection_tail": max(0.0, picks[-1][1] - others[-1][1]) if picks and others else 0.0,
                       **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
@@ -109,10 +110,6 @@ def step_profile(events: list[dict]) -> dict:
     # work) by name: its growth with the context is part of the step's
     out["top_outside_ms"] = _top(outside_names, len(steps), 8)
     return out
-
-
-def _stream(e: dict):
-    return e.get("args", {}).get("stream", e.get("tid"))
 
 
 def _union(events: list[dict], end: float) -> list[tuple[float, float]]:

@@ -37,22 +37,24 @@ def test_step_profile_splits_replays_and_counts_idle_and_eager_work():
     assert got["top_outside_ms"] == {"_graft_kernel": 0.025, "Memcpy HtoD (Pinned -> Device)": 0.01}
 
 
-def test_step_profile_times_the_side_stream_and_its_overlap():
-    # two replays 1000 us apart; on the capture stream (7) a GEMM then an attention kernel with a 100 us gap between
-    # them; on a side stream (9) two selection kernels, one inside the GEMM, one running past the attention's end
+def test_step_profile_times_selection_beside_the_other_kernels_and_its_tail():
+    # two replays 1000 us apart: a GEMM then an attention kernel with a 100 us gap between them; beside them (on
+    # streams the driver picks, here the GEMM's for one) two selection kernels, one inside the GEMM, one running past
+    # the attention's end
     events = []
     for corr, t in ((1, 0), (2, 1000)):
         k = [_kernel("nvjet_tst", t, 300, corr), _kernel("_partial_kernel", t + 400, 200, corr),
              _kernel("_fine_bounds_kernel", t + 100, 100, corr), _kernel("_cut_kernel", t + 500, 250, corr)]
-        for e, stream in zip(k, (7, 7, 9, 9)):
+        for e, stream in zip(k, (7, 9, 7, 9)):
             e["args"]["stream"] = stream
         events += [_launch(t - 50, corr), *k]
     got = step_profile(events)
     assert got["steps"] == 1 and got["period"] == pytest.approx(1.0)
-    assert got["main_stream_busy"] == pytest.approx(0.5)
-    assert got["side_stream_busy"] == pytest.approx(0.35)
-    assert got["streams_concurrent"] == pytest.approx(0.2)   # 100-200 beside the GEMM, 500-600 beside the attention
-    assert got["idle"] == pytest.approx(1.0 - 0.65)          # busy 0-300, 400-750
+    assert got["others_busy"] == pytest.approx(0.5)
+    assert got["selection_busy"] == pytest.approx(0.35)
+    assert got["selection_beside_others"] == pytest.approx(0.2)   # 100-200 beside the GEMM, 500-600 beside attention
+    assert got["selection_tail"] == pytest.approx(0.15)           # 600-750: the attention ended at 600
+    assert got["idle"] == pytest.approx(1.0 - 0.65)               # busy 0-300, 400-750
     assert got["selection"] == pytest.approx(0.35)
 
 
