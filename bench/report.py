@@ -477,17 +477,20 @@ def step_profile_table(path: Path) -> str:
     kinds = ["matmul", "dense_attention", "selection", "sparse_attention", "index_upkeep", "other", "outside_graph",
              "idle"]
     period = r["dense"]["period"] if "dense" in r else None
-    overlap = ["selection_busy", "others_busy", "selection_beside_others", "selection_tail"]   # older ones lack them
+    methods = r["settings"]["methods"]
+    # selection beside the rest, where the profile has it (older ones do not)
+    overlap = [k for k in ("selection_busy", "others_busy", "selection_beside_others", "selection_tail")
+               if any(k in r[m] for m in methods)]
     rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}" if period else "-",
-             *(f"{r[m].get(k, 0):.2f}" for k in kinds), *(f"{r[m][k]:.2f}" if k in r[m] else "-" for k in overlap),
-             r[m]["steps"]) for m in r["settings"]["methods"]]
+             *(f"{r[m].get(k, 0):.2f}" for k in kinds + overlap), r[m]["steps"]) for m in methods]
+    overlap_header = ["selection running", "the rest running", "both at once", "selection after the rest"]
     return md_table(f"Where a serving step's time goes, {r['device']} ({r['gpu']}), {r['model']}, "
                     f"{r['settings']['backend']}, CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: "
                     f"{r['what']}. Step = one replay's first kernel to the next one's; idle = the part of it no kernel "
                     f"or copy ran in (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "step ms", "vs dense", "matmul", "dense attention", "selection", "sparse attention",
-                     "index upkeep", "other kernels", "outside the graph", "GPU idle", "selection running",
-                     "the rest running", "both at once", "selection after the rest", "steps"], rows)
+                     "index upkeep", "other kernels", "outside the graph", "GPU idle",
+                     *overlap_header[:len(overlap)], "steps"], rows)
 
 
 def busy_lifecycle_table(path: Path) -> str:
@@ -680,6 +683,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
                      ("serving_profile_h200_b16_pair.json", step_profile_table),
+                     ("serving_profile_h200_b16_pair_launch.json", step_profile_table),
                      ("serving_profile_h200_b1_126k_pagetable.json", step_profile_table),
                      ("gpu_serving_h200_pagetable_shared.json", methods_serving_table),
                      ("gpu_serving_h200_aheadbox_tpot.json", methods_serving_table),

@@ -47,6 +47,7 @@ SELECTION = "cut_value_steps_h200.json"
 
 
 PROFILE_16 = "serving_profile_h200_b16_pair.json"   # the pair, then the same selection inline, batch 16
+LAUNCH_16 = "serving_profile_h200_b16_pair_launch.json"   # the pair under launch variants, batch 16
 
 
 def side_stream_16() -> str:
@@ -60,7 +61,18 @@ def side_stream_16() -> str:
             f"on top of {floor:.2f} ms of everything else. Beside the attention they take {ahead['selection']:.2f} ms "
             f"and the matrix products {ahead['matmul']:.2f} against {inline['matmul']:.2f}: the two streams share the "
             f"SMs, so the side stream hides {inline['period'] - ahead['period']:.2f} of the "
-            f"{inline['selection']:.2f} ms, and the rest stays on the step")
+            f"{inline['selection']:.2f} ms, and the rest stays on the step. {launch_16()}")
+
+
+def launch_16() -> str:
+    """The pair's batch-16 step under the launch variants probed (the first is main's)."""
+    r = load(LAUNCH_16)
+    main, prio, *cuts = (r[m] for m in r["settings"]["methods"])
+    widths = ", ".join(f"{m.removeprefix('cut ').replace(' wide / ', '/').replace(' warps', '')}: "
+                       f"{r[m]['period']:.2f}" for m in r["settings"]["methods"][2:])
+    return (f"Neither the side stream at high priority ({prio['period']:.2f} ms against {main['period']:.2f}) nor "
+            f"narrower cut programs that fit beside the attention's ({widths}) shorten the step "
+            f"({cite(LAUNCH_16, r)})")
 
 
 def shared_prefix() -> list[str]:
