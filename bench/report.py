@@ -471,6 +471,11 @@ def lifecycle_table(path: Path) -> str:
                      for v in (r["before"], r["after"])])
 
 
+OVERLAP_COLUMNS = (("selection_busy", "selection running"), ("others_busy", "the rest running"),
+                   ("selection_beside_others", "both at once"), ("selection_tail", "selection after the rest"),
+                   ("others_waited", "the rest waited"), ("others_waited_behind_selection", "of it behind a selection"))
+
+
 def step_profile_table(path: Path) -> str:
     """bench/serving_profile.py: a steady decode step's GPU time by kind of kernel, per method, from one card."""
     r = json.loads(path.read_text())
@@ -479,18 +484,16 @@ def step_profile_table(path: Path) -> str:
     period = r["dense"]["period"] if "dense" in r else None
     methods = r["settings"]["methods"]
     # selection beside the rest, where the profile has it (older ones do not)
-    overlap = [k for k in ("selection_busy", "others_busy", "selection_beside_others", "selection_tail")
-               if any(k in r[m] for m in methods)]
+    overlap = [(k, h) for k, h in OVERLAP_COLUMNS if any(k in r[m] for m in methods)]
     rows = [(m, f"{r[m]['period']:.2f}", f"{r[m]['period'] / period:.2f}" if period else "-",
-             *(f"{r[m].get(k, 0):.2f}" for k in kinds + overlap), r[m]["steps"]) for m in methods]
-    overlap_header = ["selection running", "the rest running", "both at once", "selection after the rest"]
+             *(f"{r[m].get(k, 0):.2f}" for k in kinds + [k for k, _ in overlap]), r[m]["steps"]) for m in methods]
     return md_table(f"Where a serving step's time goes, {r['device']} ({r['gpu']}), {r['model']}, "
                     f"{r['settings']['backend']}, CUDA graphs on, budget {r['settings']['budget']}, commit {r['commit']}: "
                     f"{r['what']}. Step = one replay's first kernel to the next one's; idle = the part of it no kernel "
                     f"or copy ran in (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "step ms", "vs dense", "matmul", "dense attention", "selection", "sparse attention",
                      "index upkeep", "other kernels", "outside the graph", "GPU idle",
-                     *overlap_header[:len(overlap)], "steps"], rows)
+                     *(h for _, h in overlap), "steps"], rows)
 
 
 def busy_lifecycle_table(path: Path) -> str:

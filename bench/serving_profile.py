@@ -64,7 +64,10 @@ def step_profile(events: list[dict]) -> dict:
     ``others_busy`` the time its other kernels did, ``selection_beside_others`` the time both did (select_ahead's
     side stream), ``selection_tail`` the time selection ran after the last other kernel ended (the step waited for
     it). By kind, not stream: a replay runs a graph's branches on streams the driver picks, and it runs part of the
-    capture stream's chain on the side branch's stream."""
+    capture stream's chain on the side branch's stream. ``others_waited`` is the time between two of the other
+    kernels (the step's own chain) before the last of them, ``others_waited_behind_selection`` the part of it where
+    the kernel that waited started within 3 us of a selection kernel's end on its own stream: queued behind a
+    selection it does not depend on, if its stream is shared."""
     launches = {e["args"]["correlation"] for e in events
                 if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
     work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -96,6 +99,7 @@ def step_profile(events: list[dict]) -> dict:
                       "outside_graph": sum(e["dur"] for e in outside), "selection_busy": _length(picks),
                       "others_busy": _length(others), "selection_beside_others": _overlap(picks, others),
                       "selection_tail": max(0.0, picks[-1][1] - others[-1][1]) if picks and others else 0.0,
+                      **_waits(kernels),
                       **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
@@ -123,6 +127,27 @@ def _union(events: list[dict], end: float) -> list[tuple[float, float]]:
         else:
             out.append((lo, hi))
     return out
+
+
+def _waits(kernels: list[dict]) -> dict[str, float]:
+    """How long the graph's non-selection chain waited between its kernels, and how much of that right behind a
+    selection kernel on the waiting kernel's stream (``step_profile``)."""
+    rest = sorted((k for k in kernels if kind_of(k["name"]) != "selection"), key=lambda k: k["ts"])
+    picks_end: dict = {}   # stream -> end times of its selection kernels
+    for k in kernels:
+        if kind_of(k["name"]) == "selection":
+            picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
+    waited = behind = 0.0
+    done = rest[0]["ts"] if rest else 0.0
+    for k in rest:
+        gap = k["ts"] - done
+        if gap > 0:
+            waited += gap
+            ends = picks_end.get(k.get("args", {}).get("stream"), ())
+            if any(0 <= k["ts"] - e <= 3 for e in ends):
+                behind += gap
+        done = max(done, k["ts"] + k["dur"])
+    return {"others_waited": waited, "others_waited_behind_selection": behind}
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:

@@ -59,3 +59,26 @@ def test_frontier_takes_each_points_latest_run_across_files(monkeypatch):
     got = latest(first, second, cells={"json_value@16000"})
     assert got == {("lychee", 512): (9, "516fbe5"), ("quest", 1024): (17, "516fbe5"), ("off", None): (21, "753310e")}
     assert latest(second, first, cells={"json_value@16000"}) == got
+
+
+def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_them(tmp_path, monkeypatch):
+    import json
+
+    from bench import report
+
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    step = {"period": 7.3, "matmul": 4.4, "selection": 4.3, "steps": 38}
+    r = {"device": "NVIDIA H200", "gpu": "GPU-0", "model": "m", "commit": "c", "what": "w",
+         "settings": {"backend": "flashinfer", "budget": 1024, "methods": ["old", "new"]},
+         "old": step, "new": dict(step, selection_busy=5.0, others_busy=6.0, selection_beside_others=3.5,
+                                  selection_tail=0.4, others_waited=0.9, others_waited_behind_selection=0.6)}
+    (tmp_path / "results").mkdir()
+    path = tmp_path / "results" / "p.json"
+    path.write_text(json.dumps(r))
+    lines = report.step_profile_table(path).splitlines()
+    header = next(line for line in lines if line.startswith("| method"))
+    assert header.endswith("| selection after the rest | the rest waited | of it behind a selection | steps |")
+    assert "| old | 7.30 | - | 4.40 |" in "\n".join(lines)
+    assert next(line for line in lines if line.startswith("| new")).endswith("| 0.40 | 0.90 | 0.60 | 38 |")
+    path.write_text(json.dumps(dict(r, settings=dict(r["settings"], methods=["old"]))))
+    assert "selection running" not in report.step_profile_table(path)

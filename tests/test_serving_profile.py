@@ -54,6 +54,8 @@ def test_step_profile_times_selection_beside_the_other_kernels_and_its_tail():
     assert got["selection_busy"] == pytest.approx(0.35)
     assert got["selection_beside_others"] == pytest.approx(0.2)   # 100-200 beside the GEMM, 500-600 beside attention
     assert got["selection_tail"] == pytest.approx(0.15)           # 600-750: the attention ended at 600
+    assert got["others_waited"] == pytest.approx(0.1)             # 300-400, between the GEMM and the attention
+    assert got["others_waited_behind_selection"] == 0.0           # the cut started at 500: nothing queued behind it
     assert got["idle"] == pytest.approx(1.0 - 0.65)               # busy 0-300, 400-750
     assert got["selection"] == pytest.approx(0.35)
 
@@ -93,3 +95,19 @@ def test_host_profile_sums_our_functions_and_cuda_calls():
 
 def test_our_folders_are_the_installed_sources():
     assert [f.rstrip("/").rsplit("/", 1)[1] for f in our_folders()] == ["sgl_sparsekv", "kernels", "patches"]
+
+
+def test_step_profile_tells_a_wait_behind_a_selection_on_the_same_stream():
+    # the attention (no dependency on the selection) waits 100 us for the GEMM's end, then starts right as a
+    # selection kernel on its own stream ends: the part after the GEMM is counted as queued behind the selection
+    events = []
+    for corr, t in ((1, 0), (2, 1000)):
+        k = [_kernel("nvjet_tst", t, 300, corr), _kernel("_cut_kernel", t + 250, 150, corr),
+             _kernel("_partial_kernel", t + 401, 200, corr), _kernel("_merge_kernel", t + 620, 30, corr)]
+        for e, stream in zip(k, (7, 9, 9, 7)):
+            e["args"]["stream"] = stream
+        events += [_launch(t - 50, corr), *k]
+    got = step_profile(events)
+    assert got["others_waited"] == pytest.approx(0.101 + 0.019)
+    assert got["others_waited_behind_selection"] == pytest.approx(0.101)
+    assert got["selection_tail"] == 0.0
