@@ -13,6 +13,17 @@ def _launch(ts, corr):
     return {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": ts, "dur": 5, "args": {"correlation": corr}}
 
 
+def _two_replays(kernels):
+    """Two graph replays 1000 us apart, each running ``kernels`` (name, start in us, duration, stream)."""
+    events = []
+    for corr, t in ((1, 0), (2, 1000)):
+        events.append(_launch(t - 50, corr))
+        for name, start, dur, stream in kernels:
+            events.append(_kernel(name, t + start, dur, corr))
+            events[-1]["args"]["stream"] = stream
+    return events
+
+
 def test_step_profile_splits_replays_and_counts_idle_and_eager_work():
     # three replays (correlations 1, 2, 3) 1000 us apart; each runs a GEMM, a selection and a sparse attention
     # kernel back to back; before the second one, an eager graft kernel and a copy launched by the host
@@ -41,14 +52,8 @@ def test_step_profile_times_selection_beside_the_other_kernels_and_its_tail():
     # two replays 1000 us apart: a GEMM then an attention kernel with a 100 us gap between them; beside them (on
     # streams the driver picks, here the GEMM's for one) two selection kernels, one inside the GEMM, one running past
     # the attention's end
-    events = []
-    for corr, t in ((1, 0), (2, 1000)):
-        k = [_kernel("nvjet_tst", t, 300, corr), _kernel("_partial_kernel", t + 400, 200, corr),
-             _kernel("_fine_bounds_kernel", t + 100, 100, corr), _kernel("_cut_kernel", t + 500, 250, corr)]
-        for e, stream in zip(k, (7, 9, 7, 9)):
-            e["args"]["stream"] = stream
-        events += [_launch(t - 50, corr), *k]
-    got = step_profile(events)
+    got = step_profile(_two_replays([("nvjet_tst", 0, 300, 7), ("_partial_kernel", 400, 200, 9),
+                                     ("_fine_bounds_kernel", 100, 100, 7), ("_cut_kernel", 500, 250, 9)]))
     assert got["steps"] == 1 and got["period"] == pytest.approx(1.0)
     assert got["others_busy"] == pytest.approx(0.5)
     assert got["selection_busy"] == pytest.approx(0.35)
@@ -100,14 +105,8 @@ def test_our_folders_are_the_installed_sources():
 def test_step_profile_tells_a_wait_behind_a_selection_on_the_same_stream():
     # the attention (no dependency on the selection) waits 100 us for the GEMM's end, then starts right as a
     # selection kernel on its own stream ends: the part after the GEMM is counted as queued behind the selection
-    events = []
-    for corr, t in ((1, 0), (2, 1000)):
-        k = [_kernel("nvjet_tst", t, 300, corr), _kernel("_cut_kernel", t + 250, 150, corr),
-             _kernel("_partial_kernel", t + 401, 200, corr), _kernel("_merge_kernel", t + 620, 30, corr)]
-        for e, stream in zip(k, (7, 9, 9, 7)):
-            e["args"]["stream"] = stream
-        events += [_launch(t - 50, corr), *k]
-    got = step_profile(events)
+    got = step_profile(_two_replays([("nvjet_tst", 0, 300, 7), ("_cut_kernel", 250, 150, 9),
+                                     ("_partial_kernel", 401, 200, 9), ("_merge_kernel", 620, 30, 7)]))
     assert got["others_waited"] == pytest.approx(0.101 + 0.019)
     assert got["others_waited_behind_selection"] == pytest.approx(0.101)
     assert got["selection_tail"] == 0.0
