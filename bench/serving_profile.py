@@ -68,17 +68,7 @@ def step_profile(events: list[dict]) -> dict:
     kernels (the step's own chain) before the last of them, ``others_waited_behind_selection`` the part of it where
     the kernel that waited started within 3 us of a selection kernel's end on its own stream: queued behind a
     selection it does not depend on, if its stream is shared."""
-    launches = {e["args"]["correlation"] for e in events
-                if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
-    work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                  key=lambda e: e["ts"])
-    replays: dict[int, list[dict]] = {}
-    for e in work:
-        if e.get("args", {}).get("correlation") in launches:
-            replays.setdefault(e["args"]["correlation"], []).append(e)
-    order = sorted(replays.values(), key=lambda ks: ks[0]["ts"])
-    if len(order) < 2:
-        raise ValueError(f"the profiled window holds {len(order)} CUDA-graph replays; need at least 2")
+    work, order = _replays(events)
     steps, outside_names = [], {}
     for kernels, nxt in zip(order, order[1:]):
         start, end = kernels[0]["ts"], nxt[0]["ts"]
@@ -127,6 +117,32 @@ def _union(events: list[dict], end: float) -> list[tuple[float, float]]:
         else:
             out.append((lo, hi))
     return out
+
+
+def _replays(events: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """The window's kernels and copies by start, and its CUDA-graph replays' kernels (each by start), in order."""
+    launches = {e["args"]["correlation"] for e in events
+                if e.get("cat") == "cuda_runtime" and e["name"].startswith("cudaGraphLaunch")}
+    work = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                  key=lambda e: e["ts"])
+    replays: dict[int, list[dict]] = {}
+    for e in work:
+        if e.get("args", {}).get("correlation") in launches:
+            replays.setdefault(e["args"]["correlation"], []).append(e)
+    order = sorted(replays.values(), key=lambda ks: ks[0]["ts"])
+    if len(order) < 2:
+        raise ValueError(f"the profiled window holds {len(order)} CUDA-graph replays; need at least 2")
+    return work, order
+
+
+def replay_timeline(events: list[dict]) -> list[list]:
+    """The middle replay of the window, kernel by kernel: [start (us from its first kernel), duration (us), stream,
+    kind, name cut to 60 characters], to see where the step's chain waited and on what."""
+    kernels = _replays(events)[1]
+    kernels = kernels[len(kernels) // 2]
+    t0 = kernels[0]["ts"]
+    return [[round(k["ts"] - t0, 1), round(k["dur"], 1), k.get("args", {}).get("stream"), kind_of(k["name"]),
+             k["name"][:60]] for k in kernels]
 
 
 def _waits(kernels: list[dict]) -> dict[str, float]:
@@ -261,7 +277,7 @@ def prompt_maker(a):
     return lambda n: tok.encode(gen_prompt(tok, n), add_special_tokens=False)
 
 
-def profile_method(srv: Server, a) -> dict:
+def profile_method(srv: Server, a, name: str) -> dict:
     make = prompt_maker(a)
     prefixes = [make(a.prefix) for _ in range(2)]
     greedy(srv, list(range(100, 4100)), WARMUP_TOKENS)   # compiles the graft kernel outside the profile
@@ -283,7 +299,11 @@ def profile_method(srv: Server, a) -> dict:
         return out_dir
 
     before = srv.stats()
-    out = step_profile(_trace(profile(a.steps, False)))
+    events = _trace(profile(a.steps, False))
+    out = step_profile(events)
+    if a.timeline:
+        with open(f"{a.out}.{name}.timeline.json", "w") as f:
+            json.dump(replay_timeline(events), f)
     out["plugin_in_window"] = _delta(before, srv.stats())   # the window, and the steps until the trace was read
     if a.join:
         before = srv.stats()
@@ -311,6 +331,8 @@ def main():
     ap.add_argument("--text", action="store_true", help="prompts as bench_serving's generated-shared-prefix makes them")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--backend", default="flashinfer", choices=["flashinfer", "triton"])
+    ap.add_argument("--timeline", action="store_true", help="also write one replay's kernels, in order, beside "
+                    "--out (OUT.METHOD.timeline.json)")
     a = ap.parse_args()
     import torch
 
@@ -321,7 +343,7 @@ def main():
            "server_args": COMMON + ["--attention-backend", a.backend]}
     for name in a.methods:
         with method_server(a, name, res["server_args"]) as srv:
-            res[name] = profile_method(srv, a)
+            res[name] = profile_method(srv, a, name)
         print(name, json.dumps(res[name]), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -110,3 +110,13 @@ def test_step_profile_tells_a_wait_behind_a_selection_on_the_same_stream():
     assert got["others_waited"] == pytest.approx(0.101 + 0.019)
     assert got["others_waited_behind_selection"] == pytest.approx(0.101)
     assert got["selection_tail"] == 0.0
+
+
+def test_replay_timeline_lists_the_middle_replay_kernel_by_kernel():
+    from bench.serving_profile import replay_timeline
+
+    events = _two_replays([("nvjet_tst", 0, 300, 7), ("_cut_kernel", 250, 150, 9)])
+    events += [_launch(1950, 3), _kernel("nvjet_tst", 2000, 310, 3)]
+    events[-1]["args"]["stream"] = 7
+    # three replays: the middle one starts at 1000
+    assert replay_timeline(events) == [[0, 300, 7, "matmul", "nvjet_tst"], [250, 150, 9, "selection", "_cut_kernel"]]
