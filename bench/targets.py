@@ -67,9 +67,10 @@ def side_stream_16() -> str:
 def launch_16() -> str:
     """The pair's batch-16 step under the launch variants probed (the first is main's)."""
     r = load(LAUNCH_16)
-    main, prio, *cuts = (r[m] for m in r["settings"]["methods"])
+    methods = r["settings"]["methods"]
+    main, prio = (r[m] for m in methods[:2])
     widths = ", ".join(f"{m.removeprefix('cut ').replace(' wide / ', '/').replace(' warps', '')}: "
-                       f"{r[m]['period']:.2f}" for m in r["settings"]["methods"][2:])
+                       f"{r[m]['period']:.2f}" for m in methods[2:])
     return (f"Neither the side stream at high priority ({prio['period']:.2f} ms against {main['period']:.2f}) nor "
             f"narrower cut programs that fit beside the attention's ({widths}) shorten the step "
             f"({cite(LAUNCH_16, r)})")
