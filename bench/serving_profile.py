@@ -82,14 +82,15 @@ def step_profile(events: list[dict]) -> dict:
         outside = [e for e in window if id(e) not in inside]
         for e in outside:
             outside_names[e["name"]] = outside_names.get(e["name"], 0.0) + e["dur"]
-        picks = _union([k for k in kernels if kind_of(k["name"]) == "selection"], end)
-        others = _union([k for k in kernels if kind_of(k["name"]) != "selection"], end)
+        chosen = [k for k in kernels if kind_of(k["name"]) == "selection"]
+        rest = [k for k in kernels if kind_of(k["name"]) != "selection"]
+        picks, others = _union(chosen, end), _union(rest, end)
         steps.append({"period": end - start, "graph_span": max(k["ts"] + k["dur"] for k in kernels) - start,
                       "idle": end - start - busy, "kernels_in_graph": len(kernels),
                       "outside_graph": sum(e["dur"] for e in outside), "selection_busy": _length(picks),
                       "others_busy": _length(others), "selection_beside_others": _overlap(picks, others),
                       "selection_tail": max(0.0, picks[-1][1] - others[-1][1]) if picks and others else 0.0,
-                      **_waits(kernels),
+                      **_waits(rest, chosen),
                       **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
@@ -145,14 +146,12 @@ def replay_timeline(events: list[dict]) -> list[list]:
              k["name"][:60]] for k in kernels]
 
 
-def _waits(kernels: list[dict]) -> dict[str, float]:
-    """How long the graph's non-selection chain waited between its kernels, and how much of that right behind a
-    selection kernel on the waiting kernel's stream (``step_profile``)."""
-    rest = sorted((k for k in kernels if kind_of(k["name"]) != "selection"), key=lambda k: k["ts"])
+def _waits(rest: list[dict], chosen: list[dict]) -> dict[str, float]:
+    """How long a replay's non-selection kernels (``rest``, by start) waited between each other, and how much of that
+    right behind one of its selection kernels (``chosen``) on the waiting kernel's stream (``step_profile``)."""
     picks_end: dict = {}   # stream -> end times of its selection kernels
-    for k in kernels:
-        if kind_of(k["name"]) == "selection":
-            picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
+    for k in chosen:
+        picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
     waited = behind = 0.0
     done = rest[0]["ts"] if rest else 0.0
     for k in rest:
