@@ -473,7 +473,8 @@ def lifecycle_table(path: Path) -> str:
 
 OVERLAP_COLUMNS = (("selection_busy", "selection running"), ("others_busy", "the rest running"),
                    ("selection_beside_others", "both at once"), ("selection_tail", "selection after the rest"),
-                   ("others_waited", "the rest waited"), ("others_waited_behind_selection", "of it behind a selection"))
+                   ("others_waited", "the rest waited"), ("others_waited_behind_selection", "of it behind a selection"),
+                   ("others_waited_beside_selection", "of it beside a selection"))
 
 
 def step_profile_table(path: Path) -> str:

@@ -67,7 +67,10 @@ def step_profile(events: list[dict]) -> dict:
     capture stream's chain on the side branch's stream. ``others_waited`` is the time between two of the other
     kernels (the step's own chain) before the last of them, ``others_waited_behind_selection`` the part of it where
     the kernel that waited started within 3 us of a selection kernel's end on its own stream: queued behind a
-    selection it does not depend on, if its stream is shared."""
+    selection it does not depend on, if its stream is shared. ``others_waited_beside_selection`` is the part of
+    ``others_waited`` during which a selection kernel ran on any stream: at equal priority the GPU hands out a later
+    kernel's blocks only once an earlier kernel has none left to place, so a selection kernel of many waves holds
+    back the chain's next kernel even on another stream."""
     work, order = _replays(events)
     steps, outside_names = [], {}
     for kernels, nxt in zip(order, order[1:]):
@@ -90,7 +93,7 @@ def step_profile(events: list[dict]) -> dict:
                       "outside_graph": sum(e["dur"] for e in outside), "selection_busy": _length(picks),
                       "others_busy": _length(others), "selection_beside_others": _overlap(picks, others),
                       "selection_tail": max(0.0, picks[-1][1] - others[-1][1]) if picks and others else 0.0,
-                      **_waits(rest, chosen),
+                      **_waits(rest, chosen, picks),
                       **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
@@ -146,23 +149,25 @@ def replay_timeline(events: list[dict]) -> list[list]:
              k["name"][:60]] for k in kernels]
 
 
-def _waits(rest: list[dict], chosen: list[dict]) -> dict[str, float]:
-    """How long a replay's non-selection kernels (``rest``, by start) waited between each other, and how much of that
-    right behind one of its selection kernels (``chosen``) on the waiting kernel's stream (``step_profile``)."""
+def _waits(rest: list[dict], chosen: list[dict], picks: list[tuple[float, float]]) -> dict[str, float]:
+    """How long a replay's non-selection kernels (``rest``, by start) waited between each other, how much of that
+    right behind one of its selection kernels (``chosen``) on the waiting kernel's stream, and how much while one ran
+    (``picks``, their busy intervals) on any stream (``step_profile``)."""
     picks_end: dict = {}   # stream -> end times of its selection kernels
     for k in chosen:
         picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
-    waited = behind = 0.0
+    waited = behind = beside = 0.0
     done = rest[0]["ts"] if rest else 0.0
     for k in rest:
         gap = k["ts"] - done
         if gap > 0:
             waited += gap
+            beside += _overlap([(done, k["ts"])], picks)
             ends = picks_end.get(k.get("args", {}).get("stream"), ())
             if any(0 <= k["ts"] - e <= 3 for e in ends):
                 behind += gap
         done = max(done, k["ts"] + k["dur"])
-    return {"others_waited": waited, "others_waited_behind_selection": behind}
+    return {"others_waited": waited, "others_waited_behind_selection": behind, "others_waited_beside_selection": beside}
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:

@@ -61,6 +61,7 @@ def test_step_profile_times_selection_beside_the_other_kernels_and_its_tail():
     assert got["selection_tail"] == pytest.approx(0.15)           # 600-750: the attention ended at 600
     assert got["others_waited"] == pytest.approx(0.1)             # 300-400, between the GEMM and the attention
     assert got["others_waited_behind_selection"] == 0.0           # the cut started at 500: nothing queued behind it
+    assert got["others_waited_beside_selection"] == 0.0           # and no selection ran in 300-400
     assert got["idle"] == pytest.approx(1.0 - 0.65)               # busy 0-300, 400-750
     assert got["selection"] == pytest.approx(0.35)
 
@@ -109,7 +110,18 @@ def test_step_profile_tells_a_wait_behind_a_selection_on_the_same_stream():
                                      ("_partial_kernel", 401, 200, 9), ("_merge_kernel", 620, 30, 7)]))
     assert got["others_waited"] == pytest.approx(0.101 + 0.019)
     assert got["others_waited_behind_selection"] == pytest.approx(0.101)
+    assert got["others_waited_beside_selection"] == pytest.approx(0.1)   # the cut ran 300-400 of the first wait
     assert got["selection_tail"] == 0.0
+
+
+def test_step_profile_tells_a_wait_beside_a_selection_on_another_stream():
+    # the attention waits 90 us after the GEMM on stream 7 while a selection of many waves runs on stream 9 until
+    # 380: not queued behind it on its stream, yet 80 us of the wait ran beside it
+    got = step_profile(_two_replays([("nvjet_tst", 0, 300, 7), ("_fine_bounds_kernel", 200, 180, 9),
+                                     ("_partial_kernel", 390, 100, 7)]))
+    assert got["others_waited"] == pytest.approx(0.09)
+    assert got["others_waited_behind_selection"] == 0.0
+    assert got["others_waited_beside_selection"] == pytest.approx(0.08)
 
 
 def test_replay_timeline_lists_the_middle_replay_kernel_by_kernel():
