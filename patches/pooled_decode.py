@@ -53,6 +53,7 @@ SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
+PROGRAMS_PER_SM_BESIDE = 4   # parts_beside: 4 warps each, the fine bounds' programs all fit at once at this many
 NR = len(RANGE_FIELDS)
 # per batch row after the ranges: request row, length, budget left for retrieved units, dense fallback, whether it
 # selects this step, its list row, where its tail starts
@@ -67,6 +68,19 @@ def parts_for(bs: int) -> int:
     shorten each program's walk over its tiles (the chain 0.0487 -> 0.0474 ms per layer at 32K, 0.0677 -> 0.0615 at
     126K, against 32); at batch 16, 16-32 are best and 128 cost 25% more."""
     return max(16, 128 // triton.next_power_of_2(bs))
+
+
+def parts_beside(bs: int, heads: int, sms: int) -> int:
+    """select_ahead on the GPU: ``parts_for``'s programs, cut to a power of two that keeps the fine bounds' and
+    emission's grids (``bs`` x ``heads`` KV heads x parts) within PROGRAMS_PER_SM_BESIDE per SM, so all of a
+    selection kernel's programs are placed at once. At equal priority the GPU places a later kernel's programs only
+    once an earlier kernel has none left waiting, so a selection kernel of several waves on the side stream holds
+    back the step's next kernel on its own stream. On an H200 (132 SMs), the pair at batch 16 over two shared 32K
+    prefixes (bench/results/serving_profile_h200_b16_pair_parts.json): 16 parts, 2048 programs, 7.31 ms a step, of
+    which the step's own kernels waited 1.00 ms while a selection kernel ran; 8 parts 7.28 ms; 4 parts, 512
+    programs, 7.06 ms, 0.14 ms; 2 parts 8.10 ms (the selection outlasts the step)."""
+    fit = max(1, PROGRAMS_PER_SM_BESIDE * sms // (bs * heads))
+    return min(parts_for(bs), 1 << (fit.bit_length() - 1))
 
 
 def _segment_ranges(segs) -> tuple[list[int], int]:
@@ -84,13 +98,23 @@ def _segment_ranges(segs) -> tuple[list[int], int]:
 class PooledDecode:
     def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int | None = None):
         """``parts``: programs per (request, KV head) in selection and emission; by default ``parts_for`` the
-        batch size of each step (each captured graph's)."""
+        batch size of each step (each captured graph's), or ``parts_beside`` it where select_ahead selects on a
+        side stream."""
         self.manager = manager
-        self.parts = parts_for if parts is None else (lambda bs: parts)
         pools, cfg = manager.pools, manager.cfg
         self.cfg = cfg
         dev = manager.device
         H, d = pools.heads, pools.head_dim
+        # select_ahead on the GPU: the stream that selects beside the attention; ``forked``: the step's stream has
+        # not waited for it since (``join``)
+        self.side = torch.cuda.Stream(dev) if cfg.select_ahead and torch.device(dev).type == "cuda" else None
+        if parts is not None:
+            self.parts = lambda bs: parts
+        elif self.side is not None:
+            sms = torch.cuda.get_device_properties(dev).multi_processor_count
+            self.parts = lambda bs: parts_beside(bs, H, sms)
+        else:
+            self.parts = parts_for
         self.H, self.cap = H, cfg.token_budget
         self.retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window   # tokens retrieved past both
         f = cfg.rerank_factor
@@ -116,9 +140,6 @@ class PooledDecode:
         if kept > 1:
             logger.info("sparse-kv: token lists kept across steps: %.1f MiB for %d batch rows",
                         (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
-        # select_ahead on the GPU: the stream that selects beside the attention; ``forked``: the step's stream has
-        # not waited for it since (``join``)
-        self.side = torch.cuda.Stream(dev) if self.ahead and torch.device(dev).type == "cuda" else None
         self.forked = False
         self.own_order = False   # select_ahead: this (eager) step selects before it attends, as lychee does
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
