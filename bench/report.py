@@ -688,6 +688,8 @@ def main(argv=None):
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
                      ("serving_profile_h200_b16_pair.json", step_profile_table),
                      ("serving_profile_h200_b16_pair_launch.json", step_profile_table),
+                     ("serving_profile_h200_b16_pair_parts.json", step_profile_table),
+                     ("serving_profile_h200_b16_at_start.json", step_profile_table),
                      ("serving_profile_h200_b1_126k_pagetable.json", step_profile_table),
                      ("gpu_serving_h200_pagetable_shared.json", methods_serving_table),
                      ("gpu_serving_h200_aheadbox_tpot.json", methods_serving_table),

@@ -48,6 +48,8 @@ SELECTION = "cut_value_steps_h200.json"
 
 PROFILE_16 = "serving_profile_h200_b16_pair.json"   # the pair, then the same selection inline, batch 16
 LAUNCH_16 = "serving_profile_h200_b16_pair_launch.json"   # the pair under launch variants, batch 16
+PARTS_16 = "serving_profile_h200_b16_pair_parts.json"     # the pair with fewer selection programs, batch 16
+AT_START_16 = "serving_profile_h200_b16_at_start.json"    # the pair selecting at the step's start (not merged)
 
 
 def side_stream_16() -> str:
@@ -73,7 +75,22 @@ def launch_16() -> str:
                        f"{r[m]['period']:.2f}" for m in methods[2:])
     return (f"Neither the side stream at high priority ({prio['period']:.2f} ms against {main['period']:.2f}) nor "
             f"narrower cut programs that fit beside the attention's ({widths}) shorten the step "
-            f"({cite(LAUNCH_16, r)})")
+            f"({cite(LAUNCH_16, r)}). {parts_16()}")
+
+
+def parts_16() -> str:
+    """Where the pair's batch-16 step waits: beside selection kernels of many waves (main's, the first variant, and
+    parts_beside's, the third), and what selecting at the step's start did instead."""
+    r, s = load(PARTS_16), load(AT_START_16)
+    methods = r["settings"]["methods"]
+    many, few = r[methods[0]], r[methods[2]]
+    main, start = (s[m] for m in s["settings"]["methods"][2:4])
+    return (f"The step waits on the GPU's dispatch instead: with 16 programs per (request, KV head) its own kernels "
+            f"wait {many['others_waited_beside_selection']:.2f} ms a step while a selection kernel of several waves "
+            f"runs on the other stream; with 4 (`parts_beside`: every selection program placed at once) "
+            f"{few['others_waited_beside_selection']:.2f} ms, and the step takes {few['period']:.2f} ms against "
+            f"{many['period']:.2f} ({cite(PARTS_16, r)}). Selecting at the step's start instead leaves the wait "
+            f"and adds work ({start['period']:.2f} ms against {main['period']:.2f}, {cite(AT_START_16, s)})")
 
 
 def shared_prefix() -> list[str]:
