@@ -72,7 +72,7 @@ def step_profile(events: list[dict]) -> dict:
     kernel's blocks only once an earlier kernel has none left to place, so a selection kernel of many waves holds
     back the chain's next kernel even on another stream."""
     work, order = _replays(events)
-    steps, outside_names = [], {}
+    steps, outside_names, late = [], {}, {}
     for kernels, nxt in zip(order, order[1:]):
         start, end = kernels[0]["ts"], nxt[0]["ts"]
         inside = {id(k) for k in kernels}
@@ -93,7 +93,7 @@ def step_profile(events: list[dict]) -> dict:
                       "outside_graph": sum(e["dur"] for e in outside), "selection_busy": _length(picks),
                       "others_busy": _length(others), "selection_beside_others": _overlap(picks, others),
                       "selection_tail": max(0.0, picks[-1][1] - others[-1][1]) if picks and others else 0.0,
-                      **_waits(rest, chosen, picks),
+                      **_waits(rest, chosen, picks, late),
                       **kinds})
     keys = sorted({k for s in steps for k in s})
     out = {k: round(statistics.mean(s.get(k, 0.0) for s in steps) / 1000, 4) for k in keys if k != "kernels_in_graph"}
@@ -107,6 +107,8 @@ def step_profile(events: list[dict]) -> dict:
     # what runs between replays (SGLang's page table of the dense layers, the sampler's copies, the plugin's eager
     # work) by name: its growth with the context is part of the step's
     out["top_outside_ms"] = _top(outside_names, len(steps), 8)
+    # the step's own kernels that started late, by the wait before each: where the chain waited
+    out["top_waits_before_ms"] = _top(late, len(steps), 6)
     return out
 
 
@@ -149,10 +151,12 @@ def replay_timeline(events: list[dict]) -> list[list]:
              k["name"][:60]] for k in kernels]
 
 
-def _waits(rest: list[dict], chosen: list[dict], picks: list[tuple[float, float]]) -> dict[str, float]:
+def _waits(rest: list[dict], chosen: list[dict], picks: list[tuple[float, float]], late: dict[str, float]
+           ) -> dict[str, float]:
     """How long a replay's non-selection kernels (``rest``, by start) waited between each other, how much of that
     right behind one of its selection kernels (``chosen``) on the waiting kernel's stream, and how much while one ran
-    (``picks``, their busy intervals) on any stream (``step_profile``)."""
+    (``picks``, their busy intervals) on any stream (``step_profile``); each wait is added to ``late`` under the name
+    of the kernel that waited."""
     picks_end: dict = {}   # stream -> end times of its selection kernels
     for k in chosen:
         picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
@@ -163,6 +167,7 @@ def _waits(rest: list[dict], chosen: list[dict], picks: list[tuple[float, float]
         if gap > 0:
             waited += gap
             beside += _overlap([(done, k["ts"])], picks)
+            late[k["name"]] = late.get(k["name"], 0.0) + gap
             ends = picks_end.get(k.get("args", {}).get("stream"), ())
             if any(0 <= k["ts"] - e <= 3 for e in ends):
                 behind += gap

@@ -46,6 +46,7 @@ def test_step_profile_splits_replays_and_counts_idle_and_eager_work():
     assert got["idle"] == pytest.approx((0.33 + 0.4) / 2)
     assert list(got["top_kernels_ms"]) == ["nvjet_tst_128x64", "_partial_kernel", "_fine_bounds_kernel"]
     assert got["top_outside_ms"] == {"_graft_kernel": 0.025, "Memcpy HtoD (Pinned -> Device)": 0.01}
+    assert got["top_waits_before_ms"] == {"_partial_kernel": 0.1}   # behind the selection inline before it
 
 
 def test_step_profile_times_selection_beside_the_other_kernels_and_its_tail():
@@ -122,6 +123,7 @@ def test_step_profile_tells_a_wait_beside_a_selection_on_another_stream():
     assert got["others_waited"] == pytest.approx(0.09)
     assert got["others_waited_behind_selection"] == 0.0
     assert got["others_waited_beside_selection"] == pytest.approx(0.08)
+    assert got["top_waits_before_ms"] == {"_partial_kernel": 0.09}
 
 
 def test_replay_timeline_lists_the_middle_replay_kernel_by_kernel():
