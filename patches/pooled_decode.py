@@ -75,7 +75,7 @@ def parts_beside(bs: int, heads: int, sms: int) -> int:
     emission's grids (``bs`` x ``heads`` KV heads x parts) within PROGRAMS_PER_SM_BESIDE per SM, so all of a
     selection kernel's programs are placed at once. At equal priority the GPU places a later kernel's programs only
     once an earlier kernel has none left waiting, so a selection kernel of several waves on the side stream holds
-    back the step's next kernel on its own stream. On an H200 (132 SMs), the pair at batch 16 over two shared 32K
+    back the step's next kernel on the step's stream. On an H200 (132 SMs), the pair at batch 16 over two shared 32K
     prefixes (bench/results/serving_profile_h200_b16_pair_parts.json): 16 parts, 2048 programs, 7.31 ms a step, of
     which the step's own kernels waited 1.00 ms while a selection kernel ran; 8 parts 7.28 ms; 4 parts, 512
     programs, 7.06 ms, 0.14 ms; 2 parts 8.10 ms (the selection outlasts the step)."""
