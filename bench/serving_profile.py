@@ -160,19 +160,20 @@ def _waits(rest: list[dict], chosen: list[dict], picks: list[tuple[float, float]
     picks_end: dict = {}   # stream -> end times of its selection kernels
     for k in chosen:
         picks_end.setdefault(k.get("args", {}).get("stream"), []).append(k["ts"] + k["dur"])
-    waited = behind = beside = 0.0
+    gaps: list[tuple[float, float]] = []   # disjoint and in order: ``done`` only grows
+    behind = 0.0
     done = rest[0]["ts"] if rest else 0.0
     for k in rest:
         gap = k["ts"] - done
         if gap > 0:
-            waited += gap
-            beside += _overlap([(done, k["ts"])], picks)
+            gaps.append((done, k["ts"]))
             late[k["name"]] = late.get(k["name"], 0.0) + gap
             ends = picks_end.get(k.get("args", {}).get("stream"), ())
             if any(0 <= k["ts"] - e <= 3 for e in ends):
                 behind += gap
         done = max(done, k["ts"] + k["dur"])
-    return {"others_waited": waited, "others_waited_behind_selection": behind, "others_waited_beside_selection": beside}
+    return {"others_waited": _length(gaps), "others_waited_behind_selection": behind,
+            "others_waited_beside_selection": _overlap(gaps, picks)}
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:
