@@ -5,8 +5,9 @@
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off"  # bench.fidelity into $OUT/NAME.json
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
-#   (fidelity: real Qwen2.5-Coder-0.5B, 50 samples per task at budget 1024 unless further bench.fidelity flags say
-#    otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the model's parts to /tmp/gpu-model;
+#   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
+#    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
+#    model's parts to /tmp/gpu-model;
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
 #    `python -m bench.fidelity --append RESULT FILE --commit --gpu --note` refuses to add to them)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
@@ -35,9 +36,10 @@ case "$1" in
     timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
   fidelity)
     name=$2; length=$3; methods=$4; shift 4
-    [ -d /tmp/qwen ] || python3 .gpu-bundle/model_on_gpu.py qwen2.5-coder-0.5b /tmp/qwen > /dev/null
+    model=${MODEL:-qwen2.5-coder-0.5b}
+    [ -d "/tmp/$model" ] || python3 .gpu-bundle/model_on_gpu.py "$model" "/tmp/$model" > /dev/null
     # shellcheck disable=SC2086  # METHODS is a word list
-    timeout 580 python3 -m bench.fidelity --device gpu --model qwen2.5-coder-0.5b --model-dir /tmp/qwen \
+    timeout 580 python3 -m bench.fidelity --device gpu --model "$model" --model-dir "/tmp/$model" \
       --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
       "$@" 2>&1 | tail -30 ;;
   *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
