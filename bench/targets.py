@@ -81,7 +81,8 @@ def launch_16() -> str:
 
 def parts_16() -> str:
     """Where the pair's batch-16 step waits: beside selection kernels of many waves (main's, the first variant, and
-    parts_beside's, the third), and what selecting at the step's start did instead."""
+    parts_beside's, the third), and what selecting at the step's start, or the step's chain above the side stream's
+    priority, did instead."""
     r, s, p = load(PARTS_16), load(AT_START_16), load(PRIORITY_16)
     methods = r["settings"]["methods"]
     many, few = r[methods[0]], r[methods[2]]
