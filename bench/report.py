@@ -578,8 +578,9 @@ def stress_table(path: Path) -> str:
 def fidelity_table(path: Path) -> str:
     r = json.loads(path.read_text())
     tasks = r["tasks"]
+    note = "".join(f", {k} {r[k]}" for k in ("commit",) if k in r) + (f": {r['note']}" if "note" in r else "")
     lines = [f"Fidelity suite, {r['model']}, {r['device']}, lengths {r['lengths']}, {r['samples']} samples per task "
-             f"and length (`{path.relative_to(RESULTS.parent.parent)}`)", "",
+             f"and length{note} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
              "| method | budget | " + " | ".join(tasks) + " | KV read |", "|---" * (len(tasks) + 3) + "|"]
     for run in r["runs"]:
         cells = [sum(v for k, v in run["scores"].items() if k.split("@")[0] == t) / len(r["lengths"]) for t in tasks]
@@ -732,6 +733,7 @@ def main(argv=None):
                      ("attention_recall_qwen_code_return_fine15_16k.json", recall_table),
                      ("attention_recall_qwen_code_return_fine1_rankings_16k.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
+                     ("fidelity_smollm2_4k_cpu.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
