@@ -642,17 +642,19 @@ def merged_recall_table(path: Path) -> str:
                      *(["decode steps that select"] if reuse else [])], rows)
 
 
-def tp_fidelity_table(path: Path) -> str:
-    """The same seeded samples at TP 1 and TP 2 (``bench.fidelity --compare``): answers right per task, the answers
-    a sparse run shares with dense at the same TP, and the answers each run shares with itself at the other TP."""
+def compare_fidelity_table(path: Path) -> str:
+    """The same seeded samples served twice (``bench.fidelity --compare``: TP 1 against TP 2, the CPU against the
+    GPU): answers right per task, the answers a sparse run shares with dense in the same result, and the answers
+    each run shares with itself in the other result."""
     from bench.fidelity import run_key, total_with_interval
 
     c = json.loads(path.read_text())
-    first = c["results"][c["labels"][0]]
+    labels = c["labels"]
+    first = c["results"][labels[0]]
     n = first["lengths"][0]
     tasks = first["tasks"]
     rows = []
-    for label in c["labels"]:
+    for label in labels:
         r = c["results"][label]
         for run in r["runs"]:
             key = run_key(run)
@@ -663,11 +665,13 @@ def tp_fidelity_table(path: Path) -> str:
                          *(counts[f"{t}@{n}"]["correct"] for t in tasks), total_with_interval(counts),
                          f"{dense['same']}/{dense['of']}" if dense else "-",
                          f"{other['same']}/{other['of']}" if other else "-"))
-    return md_table(f"Tensor parallelism and answers, {first['model']}, real weights, {n} tokens, {first['samples']} "
-                    f"samples per task, {first['device']}, commit {first['commit']} "
+    served = "; ".join(dict.fromkeys(f"{c['results'][x]['device']}, commit {c['results'][x]['commit']}"
+                                     for x in labels))
+    return md_table(f"The same seeded samples, {' against '.join(labels)}, {first['model']}, real weights, {n} tokens, "
+                    f"{first['samples']} samples per task, {served}{': ' + c['note'] if 'note' in c else ''} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["TP", "method", "budget", *tasks, "total (95% CI)", "answer text as dense's",
-                     f"answer text as at {' / '.join(c['labels'])}"], rows)
+                    ["served at", "method", "budget", *tasks, "total (95% CI)", "answer text as dense's",
+                     f"answer text as at {' / '.join(labels)}"], rows)
 
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
@@ -705,7 +709,8 @@ def main(argv=None):
                      ("gpu_serving_h200_box_dense.json", variants_serving_table),
                      ("selection_breakdown_box_bs1_h200.json", hybrid_breakdown_table),
                      ("selection_breakdown_box_h200.json", hybrid_breakdown_table),
-                     ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", tp_fidelity_table),
+                     ("fidelity_qwen2.5-coder-0.5b_16k_tp1_tp2.json", compare_fidelity_table),
+                     ("fidelity_smollm2_4k_cpu_gpu.json", compare_fidelity_table),
                      ("attention_recall_qwen_oracle_16k.json", merged_recall_table),
                      ("attention_recall_qwen_oracle_30k.json", merged_recall_table),
                      ("attention_recall_qwen_rerank_16k.json", merged_recall_table),
