@@ -578,7 +578,7 @@ def stress_table(path: Path) -> str:
 def fidelity_table(path: Path) -> str:
     r = json.loads(path.read_text())
     tasks = r["tasks"]
-    note = "".join(f", {k} {r[k]}" for k in ("commit",) if k in r) + (f": {r['note']}" if "note" in r else "")
+    note = (f", commit {r['commit']}" if "commit" in r else "") + (f": {r['note']}" if "note" in r else "")
     lines = [f"Fidelity suite, {r['model']}, {r['device']}, lengths {r['lengths']}, {r['samples']} samples per task "
              f"and length{note} (`{path.relative_to(RESULTS.parent.parent)}`)", "",
              "| method | budget | " + " | ".join(tasks) + " | KV read |", "|---" * (len(tasks) + 3) + "|"]
