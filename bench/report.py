@@ -696,6 +696,7 @@ def main(argv=None):
                      ("serving_profile_h200_b16_pair_parts.json", step_profile_table),
                      ("serving_profile_h200_b16_at_start.json", step_profile_table),
                      ("serving_profile_h200_b16_chain_priority.json", step_profile_table),
+                     ("serving_profile_h200_b16_chain_priority_repeat.json", step_profile_table),
                      ("gpu_serving_h200_parts_tpot.json", methods_serving_table),
                      ("gpu_serving_h200_parts_shared.json", methods_serving_table),
                      ("serving_profile_h200_b1_126k_pagetable.json", step_profile_table),

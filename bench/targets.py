@@ -51,6 +51,7 @@ LAUNCH_16 = "serving_profile_h200_b16_pair_launch.json"   # the pair under launc
 PARTS_16 = "serving_profile_h200_b16_pair_parts.json"     # the pair with fewer selection programs, batch 16
 AT_START_16 = "serving_profile_h200_b16_at_start.json"    # the pair selecting at the step's start (not merged)
 PRIORITY_16 = "serving_profile_h200_b16_chain_priority.json"   # the step's chain above the side stream (not merged)
+PRIORITY_16_REPEAT = "serving_profile_h200_b16_chain_priority_repeat.json"   # its repeat, 16 parts, another card
 
 
 def side_stream_16() -> str:
@@ -83,11 +84,12 @@ def parts_16() -> str:
     """Where the pair's batch-16 step waits: beside selection kernels of many waves (main's, the first variant, and
     parts_beside's, the third), and what selecting at the step's start, or the step's chain above the side stream's
     priority, did instead."""
-    r, s, p = load(PARTS_16), load(AT_START_16), load(PRIORITY_16)
+    r, s, p, q = load(PARTS_16), load(AT_START_16), load(PRIORITY_16), load(PRIORITY_16_REPEAT)
     methods = r["settings"]["methods"]
     many, few = r[methods[0]], r[methods[2]]
     main, start = (s[m] for m in s["settings"]["methods"][2:4])
     base, prio4, prio16 = (p[m]["period"] for m in p["settings"]["methods"])
+    again, again16 = (q[m]["period"] for m in q["settings"]["methods"])
     return (f"The step waits on the GPU's dispatch instead: with 16 programs per (request, KV head) its own kernels "
             f"wait {many['others_waited_beside_selection']:.2f} ms a step while a selection kernel of several waves "
             f"runs on the other stream; with 4 (`parts_beside`: every selection program placed at once) "
@@ -95,7 +97,8 @@ def parts_16() -> str:
             f"{many['period']:.2f} ({cite(PARTS_16, r)}). Selecting at the step's start instead leaves the wait "
             f"and adds work ({start['period']:.2f} ms against {main['period']:.2f}, {cite(AT_START_16, s)}). A "
             f"captured forward on a stream above the side stream's priority (not merged) takes {prio4:.2f} ms with 4 "
-            f"parts and {prio16:.2f} with 16, against {base:.2f} ({cite(PRIORITY_16, p)})")
+            f"parts and {prio16:.2f} with 16, against {base:.2f} ({cite(PRIORITY_16, p)}); repeated with 16 on "
+            f"another card, {again16:.2f} against {again:.2f} ({cite(PRIORITY_16_REPEAT, q)})")
 
 
 def shared_prefix() -> list[str]:
