@@ -529,6 +529,9 @@ VARIANTS = {
     "lychee-fine-1-upper-bound": {"fine_cluster_size": 1.0, "radius_weight": 1.0},
     "lychee-fine-1-flat": {"fine_cluster_size": 1.0, "coarse_expand": 1e9},
     "lychee-gqa-mean": {"gqa_reduce": "mean"},
+    # the layers lychee leaves dense by default (dense_layers 2), selected too: how much of their attention a
+    # selection keeps
+    "lychee-dense-0": {"dense_layers": 0},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-expand-8": {"coarse_expand": 8.0},
     "lychee-flat": {"coarse_expand": 1e9},

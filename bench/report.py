@@ -642,6 +642,19 @@ def merged_recall_table(path: Path) -> str:
                      *(["decode steps that select"] if reuse else [])], rows)
 
 
+def first_layers_table(path: Path) -> str:
+    """``attention_recall`` with every layer selected (``lychee-dense-0``): attention-mass recall and output error of
+    the first sparse-capable layers per task, the layers lychee leaves dense by default among them."""
+    r = json.loads(path.read_text())
+    layers = r["first_layers"]
+    tasks = list(next(iter(layers.values())))
+    rows = [(f"layer {l}", *(f"{x[t]['mass_recall']:.2f} / {x[t]['out_rel_err']:.2f}" for t in tasks))
+            for l, x in layers.items()]
+    return md_table(f"Each of the first layers selected as lychee selects the others, {r['model']}, {r['length']} tokens, "
+                    f"budget {r['budget']}, {r['device']}: attention-mass recall / output error, mean over the queries "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)", ["layer", *tasks], rows)
+
+
 def compare_fidelity_table(path: Path) -> str:
     """The same seeded samples served twice (``bench.fidelity --compare``: TP 1 against TP 2, the CPU against the
     GPU): answers right per task, the answers a sparse run shares with dense in the same result, and the answers
@@ -724,6 +737,8 @@ def main(argv=None):
                      ("attention_recall_qwen_previous_query_layers_vt16k.json", recall_table),
                      ("adaptive_budget_qwen_4k.json", merged_recall_table),
                      ("attention_recall_qwen_carry_4k.json", merged_recall_table),
+                     ("attention_recall_qwen_dense_layers_4k.json", merged_recall_table),
+                     ("attention_recall_qwen_dense_layers_4k.json", first_layers_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
                      ("attention_recall_qwen_mv30k_fine1.json", recall_table),
                      ("attention_recall_qwen_vt16k_query.json", recall_table),
