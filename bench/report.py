@@ -650,9 +650,9 @@ def first_layers_table(path: Path) -> str:
     tasks = list(next(iter(layers.values())))
     rows = [(f"layer {l}", *(f"{x[t]['mass_recall']:.2f} / {x[t]['out_rel_err']:.2f}" for t in tasks))
             for l, x in layers.items()]
-    return md_table(f"Each of the first layers selected as lychee selects the others, {r['model']}, {r['length']} tokens, "
-                    f"budget {r['budget']}, {r['device']}: attention-mass recall / output error, mean over the queries "
-                    f"(`{path.relative_to(RESULTS.parent.parent)}`)", ["layer", *tasks], rows)
+    return md_table(f"Each of the first layers selected as lychee selects the others, {r['model']}, {r['length']} "
+                    f"tokens, budget {r['budget']}, {r['device']}: attention-mass recall / output error, mean over the "
+                    f"queries (`{path.relative_to(RESULTS.parent.parent)}`)", ["layer", *tasks], rows)
 
 
 def compare_fidelity_table(path: Path) -> str:
