@@ -739,6 +739,8 @@ def main(argv=None):
                      ("attention_recall_qwen_carry_4k.json", merged_recall_table),
                      ("attention_recall_qwen_dense_layers_4k.json", merged_recall_table),
                      ("attention_recall_qwen_dense_layers_4k.json", first_layers_table),
+                     ("attention_recall_qwen_dense_layers_16k.json", merged_recall_table),
+                     ("attention_recall_qwen_dense_layers_16k.json", first_layers_table),
                      ("attention_recall_qwen_mv30k_flat.json", recall_table),
                      ("attention_recall_qwen_mv30k_fine1.json", recall_table),
                      ("attention_recall_qwen_vt16k_query.json", recall_table),
