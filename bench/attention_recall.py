@@ -602,9 +602,20 @@ def selected_share(result: dict, variant: str) -> dict:
     return {"selected_steps": round(picks / sum(s["queries"] for s in result["samples"]), 4)}
 
 
+def first_layers(results: list[dict], variant: str = "lychee-dense-0", n: int = 4) -> dict:
+    """layer -> task -> the mass recall and output error of ``variant`` (every layer selected) in the first ``n``
+    layers: the ones lychee leaves dense by default beside the first it selects."""
+    out: dict = {}
+    for r in results:
+        for p in r["variants"][variant]["per_layer"][:n]:
+            out.setdefault(str(p["layer"]), {})[r["task"]] = {k: round(p[k], 4) for k in ("mass_recall", "out_rel_err")}
+    return out
+
+
 def merge(results: list[dict]) -> dict:
     """Several ``--task`` results of one model, budget and length -> per task, each variant's summary (no per-layer
-    rows), and each variant's mean over the tasks."""
+    rows), and each variant's mean over the tasks; with ``lychee-dense-0`` in every result, its first layers'
+    rows (``first_layers``)."""
     first = results[0]
     assert all((r["model"], r["budget"], r["length"]) == (first["model"], first["budget"], first["length"])
                for r in results), "results of different models, budgets or lengths"
@@ -615,8 +626,11 @@ def merge(results: list[dict]) -> dict:
     variants = [v for v in first["variants"] if all(v in t["variants"] for t in tasks.values())]
     mean = {v: {k: round(float(np.mean([t["variants"][v][k] for t in tasks.values()])), 4)
                 for k in (*METRICS, "selected_steps") if k in tasks[first["task"]]["variants"][v]} for v in variants}
-    return {"model": first["model"], "device": first["device"], "budget": first["budget"], "length": first["length"],
-            "tasks": tasks, "mean_over_tasks": mean}
+    out = {"model": first["model"], "device": first["device"], "budget": first["budget"], "length": first["length"],
+           "tasks": tasks, "mean_over_tasks": mean}
+    if "lychee-dense-0" in variants:
+        out["first_layers"] = first_layers(results)
+    return out
 
 
 def main():

@@ -231,6 +231,22 @@ def test_merge_recall_results_per_task_and_mean():
         merge([res("a", {"lychee": 0.8}), {**res("b", {"lychee": 0.8}), "budget": 512}])
 
 
+def test_merge_keeps_the_first_layers_of_every_layer_selected():
+    from bench.attention_recall import merge
+
+    def res(task, offset):
+        rows = [{"layer": l, "mass_recall": 0.5 + offset + l / 10, "out_rel_err": 0.3 - l / 100} for l in range(6)]
+        return {"model": "m", "device": "CPU", "budget": 256, "length": 4000, "task": task,
+                "samples": [{"sample": f"{task}/0"}],
+                "variants": {v: {"mass_recall": 0.8, "mass_recall_min": 0.1, "topk_recall": 0.5, "out_rel_err": 0.2,
+                                 "kv_read": 0.05, "per_layer": rows} for v in ("lychee", "lychee-dense-0")}}
+
+    got = merge([res("a", 0.0), res("b", 0.05)])["first_layers"]
+    assert list(got) == ["0", "1", "2", "3"]
+    assert got["1"]["b"] == {"mass_recall": 0.65, "out_rel_err": 0.29}
+    assert "first_layers" not in merge([{**res("a", 0.0), "variants": {"lychee": res("a", 0.0)["variants"]["lychee"]}}])
+
+
 def test_adaptive_budgets_spend_where_the_kept_mass_grows_most():
     import numpy as np
 
