@@ -105,13 +105,29 @@ def watch_frees(manager: SparseKVManager, req_pool, allocator) -> None:
 
 def join_after_forward(model, backend) -> None:
     """select_ahead: the decoder's side stream joins once the whole forward is issued, not at the last sparse layer.
-    SGLang's runners call ``model.forward`` itself (no module hooks run), so the instance attribute wraps it."""
+    SGLang's runners call ``model.forward`` itself (no module hooks run), so the instance attribute wraps it.
+
+    A captured forward runs on a stream of higher priority than the side stream. At equal priority the GPU places a
+    later kernel's programs only once an earlier kernel has none left waiting, so a selection kernel of several
+    waves would hold back the step's next kernel; PyTorch instantiates graphs with per-node priorities, so the
+    step's kernels are placed first in every replay. Eager forwards keep the caller's stream, which SGLang's
+    allocator and overlap scheduling assume."""
     forward = model.forward
+    side = backend.active.side
+    chain = torch.cuda.Stream(side.device, priority=-1) if side is not None else None
 
     @functools.wraps(forward)
     def joined(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        backend.active.join()
+        if chain is None or not torch.cuda.is_current_stream_capturing():
+            out = forward(*args, **kwargs)
+            backend.active.join()
+            return out
+        step = torch.cuda.current_stream()
+        chain.wait_stream(step)
+        with torch.cuda.stream(chain):
+            out = forward(*args, **kwargs)
+            backend.active.join()
+        step.wait_stream(chain)
         return out
 
     model.forward = joined

@@ -53,7 +53,6 @@ SPLITS = 8  # flash-decoding splits of a list
 # a step's selection scratch (bounds and picks: 8 bytes per KV head) holds this many times the fine pool's
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
-PROGRAMS_PER_SM_BESIDE = 4   # parts_beside: 4 warps each, the fine bounds' programs all fit at once at this many
 NR = len(RANGE_FIELDS)
 # per batch row after the ranges: request row, length, budget left for retrieved units, dense fallback, whether it
 # selects this step, its list row, where its tail starts
@@ -68,19 +67,6 @@ def parts_for(bs: int) -> int:
     shorten each program's walk over its tiles (the chain 0.0487 -> 0.0474 ms per layer at 32K, 0.0677 -> 0.0615 at
     126K, against 32); at batch 16, 16-32 are best and 128 cost 25% more."""
     return max(16, 128 // triton.next_power_of_2(bs))
-
-
-def parts_beside(bs: int, heads: int, sms: int) -> int:
-    """select_ahead on the GPU: ``parts_for``'s programs, cut to a power of two that keeps the fine bounds' and
-    emission's grids (``bs`` x ``heads`` KV heads x parts) within PROGRAMS_PER_SM_BESIDE per SM, so all of a
-    selection kernel's programs are placed at once. At equal priority the GPU places a later kernel's programs only
-    once an earlier kernel has none left waiting, so a selection kernel of several waves on the side stream holds
-    back the step's next kernel on the step's stream. On an H200 (132 SMs), the pair at batch 16 over two shared 32K
-    prefixes (bench/results/serving_profile_h200_b16_pair_parts.json): 16 parts, 2048 programs, 7.31 ms a step, of
-    which the step's own kernels waited 1.00 ms while a selection kernel ran; 8 parts 7.28 ms; 4 parts, 512
-    programs, 7.06 ms, 0.14 ms; 2 parts 8.10 ms (the selection outlasts the step)."""
-    fit = max(1, PROGRAMS_PER_SM_BESIDE * sms // (bs * heads))
-    return min(parts_for(bs), 1 << (fit.bit_length() - 1))
 
 
 def _segment_ranges(segs) -> tuple[list[int], int]:
@@ -98,8 +84,8 @@ def _segment_ranges(segs) -> tuple[list[int], int]:
 class PooledDecode:
     def __init__(self, manager: SparseKVManager, max_bs: int, q_heads: int, parts: int | None = None):
         """``parts``: programs per (request, KV head) in selection and emission; by default ``parts_for`` the
-        batch size of each step (each captured graph's), or ``parts_beside`` it where select_ahead selects on a
-        side stream."""
+        batch size of each step (each captured graph's). Beside a select_ahead step they run on a stream of lower
+        priority than the step's (``join_after_forward``), so their waves never hold back the step's kernels."""
         self.manager = manager
         pools, cfg = manager.pools, manager.cfg
         self.cfg = cfg
@@ -108,13 +94,7 @@ class PooledDecode:
         # select_ahead on the GPU: the stream that selects beside the attention; ``forked``: the step's stream has
         # not waited for it since (``join``)
         self.side = torch.cuda.Stream(dev) if cfg.select_ahead and torch.device(dev).type == "cuda" else None
-        if parts is not None:
-            self.parts = lambda bs: parts
-        elif self.side is not None:
-            sms = torch.cuda.get_device_properties(dev).multi_processor_count
-            self.parts = lambda bs: parts_beside(bs, H, sms)
-        else:
-            self.parts = parts_for
+        self.parts = (lambda bs: parts) if parts is not None else parts_for
         self.H, self.cap = H, cfg.token_budget
         self.retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window   # tokens retrieved past both
         f = cfg.rerank_factor

@@ -19,7 +19,7 @@ from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
 from sgl_sparsekv.manager import SparseKVManager
-from sgl_sparsekv.patches.pooled_decode import PROGRAMS_PER_SM_BESIDE, PooledDecode, parts_beside, parts_for
+from sgl_sparsekv.patches.pooled_decode import PooledDecode
 from sgl_sparsekv.transfer import StagedUpload, sync_check
 from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
 
@@ -853,17 +853,3 @@ def test_staged_upload_never_rewrites_a_pending_copy():
             seen[v].copy_(dest)
     torch.cuda.synchronize()
     assert seen.flatten(1).tolist() == [[v] * 24 for v in range(6)]
-
-
-@pytest.mark.parametrize("heads,sms", [(8, 132), (4, 132), (8, 78), (2, 16)])
-def test_parts_beside_places_every_selection_program_at_once(heads, sms):
-    # select_ahead's selection kernels on the side stream: a power of two, never more than lychee's parts, and the
-    # grid within PROGRAMS_PER_SM_BESIDE per SM wherever one program per (request, KV head) fits
-    for bs in range(1, 65):
-        parts = parts_beside(bs, heads, sms)
-        assert parts & (parts - 1) == 0 and 1 <= parts <= parts_for(bs)
-        limit = PROGRAMS_PER_SM_BESIDE * sms
-        if bs * heads <= limit:   # within the limit, and the most that is
-            assert bs * heads * parts <= limit
-            assert parts == parts_for(bs) or bs * heads * 2 * parts > limit
-    assert parts_beside(16, 8, 132) == 4    # the H200 pair at batch 16: 512 programs (7.06 ms a step against 7.31)
