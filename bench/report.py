@@ -690,8 +690,8 @@ def compare_fidelity_table(path: Path) -> str:
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
 LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
-          "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "gpu_serving_h200_parts_tpot.json",
-          "gpu_serving_h200_parts_shared.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
+          "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "gpu_serving_h200_chain_tpot.json",
+          "gpu_serving_h200_chain_shared.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
           "fidelity_qwen2.5-coder-0.5b_30k_gpu.json", "fidelity_qwen2.5-coder-0.5b_16384_gpu.json")
 
 
@@ -710,6 +710,8 @@ def main(argv=None):
                      ("serving_profile_h200_b16_at_start.json", step_profile_table),
                      ("serving_profile_h200_b16_chain_priority.json", step_profile_table),
                      ("serving_profile_h200_b16_chain_priority_repeat.json", step_profile_table),
+                     ("gpu_serving_h200_chain_tpot.json", methods_serving_table),
+                     ("gpu_serving_h200_chain_shared.json", methods_serving_table),
                      ("gpu_serving_h200_parts_tpot.json", methods_serving_table),
                      ("gpu_serving_h200_parts_shared.json", methods_serving_table),
                      ("serving_profile_h200_b1_126k_pagetable.json", step_profile_table),

@@ -41,8 +41,8 @@ SHARED_AHEAD = "gpu_serving_h200_ahead_own_shared.json"    # select_ahead and de
 RANDOM, RANDOM_C1 = "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json"
 TPOT = "gpu_serving_h200_tpot64k.json"                    # lychee and dense, batch 1, 4K to 126K
 TPOT_AHEAD, TPOT_AHEAD_JOIN = "gpu_serving_h200_ahead.json", "gpu_serving_h200_ahead_join.json"
-# select_ahead with fine_bound box, and dense, one call each (the selection's programs by parts_beside)
-SHARED_AHEAD_BOX, TPOT_AHEAD_BOX = "gpu_serving_h200_parts_shared.json", "gpu_serving_h200_parts_tpot.json"
+# select_ahead with fine_bound box, and dense, one call each (the step's chain above the side stream's priority)
+SHARED_AHEAD_BOX, TPOT_AHEAD_BOX = "gpu_serving_h200_chain_shared.json", "gpu_serving_h200_chain_tpot.json"
 SELECTION = "cut_value_steps_h200.json"
 
 
@@ -50,7 +50,7 @@ PROFILE_16 = "serving_profile_h200_b16_pair.json"   # the pair, then the same se
 LAUNCH_16 = "serving_profile_h200_b16_pair_launch.json"   # the pair under launch variants, batch 16
 PARTS_16 = "serving_profile_h200_b16_pair_parts.json"     # the pair with fewer selection programs, batch 16
 AT_START_16 = "serving_profile_h200_b16_at_start.json"    # the pair selecting at the step's start (not merged)
-PRIORITY_16 = "serving_profile_h200_b16_chain_priority.json"   # the step's chain above the side stream (not merged)
+PRIORITY_16 = "serving_profile_h200_b16_chain_priority.json"   # the step's chain above the side stream (merged)
 PRIORITY_16_REPEAT = "serving_profile_h200_b16_chain_priority_repeat.json"   # its repeat, 16 parts, another card
 
 
@@ -81,9 +81,9 @@ def launch_16() -> str:
 
 
 def parts_16() -> str:
-    """Where the pair's batch-16 step waits: beside selection kernels of many waves (main's, the first variant, and
-    parts_beside's, the third), and what selecting at the step's start, or the step's chain above the side stream's
-    priority, did instead."""
+    """Where the pair's batch-16 step waits: beside selection kernels of many waves (the first variant's, and
+    parts_beside's few, the third's), and what selecting at the step's start, or the step's chain above the side
+    stream's priority (kept), did instead."""
     r, s, p, q = load(PARTS_16), load(AT_START_16), load(PRIORITY_16), load(PRIORITY_16_REPEAT)
     methods = r["settings"]["methods"]
     many, few = r[methods[0]], r[methods[2]]
@@ -92,13 +92,14 @@ def parts_16() -> str:
     again, again16 = (q[m]["period"] for m in q["settings"]["methods"])
     return (f"The step waits on the GPU's dispatch instead: with 16 programs per (request, KV head) its own kernels "
             f"wait {many['others_waited_beside_selection']:.2f} ms a step while a selection kernel of several waves "
-            f"runs on the other stream; with 4 (`parts_beside`: every selection program placed at once) "
+            f"runs on the other stream; with 4 (`parts_beside`, every selection program placed at once; since "
+            f"replaced by the priority below) "
             f"{few['others_waited_beside_selection']:.2f} ms, and the step takes {few['period']:.2f} ms against "
             f"{many['period']:.2f} ({cite(PARTS_16, r)}). Selecting at the step's start instead leaves the wait "
             f"and adds work ({start['period']:.2f} ms against {main['period']:.2f}, {cite(AT_START_16, s)}). A "
-            f"captured forward on a stream above the side stream's priority (not merged) takes {prio4:.2f} ms with 4 "
-            f"parts and {prio16:.2f} with 16, against {base:.2f} ({cite(PRIORITY_16, p)}); repeated with 16 on "
-            f"another card, {again16:.2f} against {again:.2f} ({cite(PRIORITY_16_REPEAT, q)})")
+            f"captured forward on a stream above the side stream's priority takes {prio4:.2f} ms with 4 parts and "
+            f"{prio16:.2f} with 16, against {base:.2f} ({cite(PRIORITY_16, p)}); repeated with 16 on another card, "
+            f"{again16:.2f} against {again:.2f} ({cite(PRIORITY_16_REPEAT, q)}): merged with 16 at e994548")
 
 
 def shared_prefix() -> list[str]:
