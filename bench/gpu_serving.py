@@ -121,6 +121,17 @@ def steady_decode(log: str, batch: int) -> dict | None:
             "max_tok_s": round(max(rates), 1)}
 
 
+CAPTURE_LINE = re.compile(r"Capture target decode CUDA graph end\. elapsed=([\d.]+) s")
+
+
+def server_start(srv: Server) -> dict:
+    """How long the server took to start (launch to ready) and, of that, the decode graphs' capture, where a fresh
+    machine compiles the plugin's Triton kernels."""
+    with open(srv.log_path, errors="replace") as f:
+        capture = CAPTURE_LINE.search(f.read())
+    return {"ready_s": srv.ready_s, "decode_graph_capture_s": float(capture.group(1)) if capture else None}
+
+
 def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--port", str(srv.port), *dataset,
            "--max-concurrency", str(concurrency), "--output-file", out_file]
@@ -166,6 +177,8 @@ def tpot_ms(srv: Server, ctx: int, n: int) -> dict:
 
 def measure(srv: Server, a, name: str, out: dict, save) -> dict:
     """Fills ``out`` and calls ``save()`` after each measurement, so a call cut by its time limit keeps them."""
+    # one entry per call (a resumed method starts its server again): the first on a fresh machine compiles
+    out.setdefault("server_start", []).append(server_start(srv))
     out.update({"greedy_within_budget": greedy(srv, list(range(100, 1000)), 32),
                 "greedy_past_budget": greedy(srv, list(range(100, 4100)), 32)})
     # a decode past the recent window grafts its first chunks: the graft kernel's first compile (about 1 s on an H100,

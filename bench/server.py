@@ -162,6 +162,7 @@ class Server:
         self.log_path = log_path or f"/tmp/sglang-{method}-{self.port}.log"
         self.timeout = timeout
         self.proc = self.log = None
+        self.launched_at = self.ready_s = None
 
     def launch(self) -> Server:
         """Starts the server without waiting for it (``with`` waits); a second call does nothing."""
@@ -174,6 +175,7 @@ class Server:
             # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
             self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True, cwd=tempfile.gettempdir())
+            self.launched_at = time.monotonic()
         return self
 
     def __enter__(self):
@@ -192,6 +194,8 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
+                    # launch to ready; a server a Lineup launched ahead is seen ready only once it is taken
+                    self.ready_s = round(time.monotonic() - self.launched_at, 1)
                     return
             except requests.RequestException:
                 pass

@@ -184,3 +184,29 @@ def test_servers_get_their_nccl_port_from_the_claimed_ports():
     for s in (a, b, dp):
         s.__exit__()
     assert not set(ports + [dp.port]) & _claimed
+
+
+def test_gpu_serving_records_how_long_a_server_took_to_start(tmp_path):
+    """bench.gpu_serving keeps each server's start: launch to ready (measured by bench.server.Server) and the
+    decode graphs' capture from SGLang's log line, where a fresh machine compiles the plugin's kernels."""
+    from bench.gpu_serving import server_start
+    from bench.server import Server
+
+    slow = textwrap.dedent('''
+        import sys, time
+        time.sleep(1.5)
+        print("[2026-12-04 00:30:17] Capture target decode CUDA graph end. elapsed=141.37 s, mem usage=0.22 GB",
+              flush=True)
+    ''') + FAKE_HEALTHY
+    srv = Server("unused", log_path=str(tmp_path / "slow.log"), timeout=60)
+    srv.args = [sys.executable, "-c", slow, str(srv.port)]
+    t0 = time.monotonic()
+    with srv:
+        waited = time.monotonic() - t0
+        got = server_start(srv)
+    assert 1.5 <= got["ready_s"] <= waited + 0.1
+    assert got["decode_graph_capture_s"] == 141.37
+    quiet = Server("unused", log_path=str(tmp_path / "quiet.log"), timeout=60)
+    quiet.args = [sys.executable, "-c", FAKE_HEALTHY, str(quiet.port)]
+    with quiet:
+        assert server_start(quiet)["decode_graph_capture_s"] is None   # eager: no capture line
