@@ -23,8 +23,11 @@ def wrap_attention_backend(original, runner, *args, **kwargs):
     cfg = flags.config_of(runner.server_args)
     if not cfg.enabled or runner.is_draft_worker:
         return backend
+    from sgl_sparsekv import compile_log
     from sgl_sparsekv.patches.backend import SparseKVAttnBackend
     from sgl_sparsekv.patches.checks import check_runner
+
+    compile_log.install_from_env()   # before the backend's precompiles and the graphs' capture
 
     surface.check_instance(runner, surface.RUNNER_ATTRS, "ModelRunner")
     check_runner(runner, cfg)
