@@ -1,9 +1,9 @@
 """Every Triton kernel compile in this process, with its time, for finding where a server's start goes.
 
 A lychee server's first start on a fresh machine spends minutes compiling Triton kernels (README, "GPU"). With
-``SGL_SPARSEKV_LOG_COMPILES`` set to a file path, each compile appends one JSON line: the process, the kernel, its
-seconds (a hit in Triton's on-disk cache takes milliseconds), whether it was a manual warmup, and Triton's
-specialization data, from which ``JITFunction.preload`` builds the same variant again.
+``SGL_SPARSEKV_LOG_COMPILES`` set to a file path, each compile appends one JSON line: the process, when it ended,
+the kernel, its seconds (a hit in Triton's on-disk cache takes milliseconds), whether it was a manual warmup, and
+Triton's specialization data, from which ``JITFunction.preload`` builds the same variant again.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def install(path: str) -> None:
     def after(**kw):
         t0 = started.pop(_ident(kw), None)
         fn = kw["fn"]
-        record = {"pid": os.getpid(), "kernel": f"{getattr(fn.module, '__name__', fn.module)}.{fn.name}",
+        record = {"pid": os.getpid(), "at": round(time.time(), 3),   # the end, to place it among the server's log lines
+                  "kernel": f"{getattr(fn.module, '__name__', fn.module)}.{fn.name}",
                   "seconds": None if t0 is None else round(time.perf_counter() - t0, 3),
                   "warmup": bool(kw.get("is_manual_warmup")),
                   "specialization": kw["compile"].get("specialization_data")}
