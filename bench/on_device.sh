@@ -24,13 +24,16 @@ case "$1" in
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
     resume=(); [ -f resume_s.json ] && resume=(--resume resume_s.json)
-    export SGL_SPARSEKV_LOG_COMPILES="$OUT/$name.compiles.jsonl"   # each Triton compile of the sparse servers
+    export SPARSEKV_LOG_COMPILES="$OUT/$name.compiles.jsonl"   # each Triton compile of the sparse servers
     # shellcheck disable=SC2086  # METHODS and the workload are word lists
     timeout 580 python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$name.json" --methods $methods \
       --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15
-    if [ -f "$SGL_SPARSEKV_LOG_COMPILES" ]; then
-      python3 -m sgl_sparsekv.compile_log "$SGL_SPARSEKV_LOG_COMPILES" | tail -8
-    fi ;;
+    if [ -f "$SPARSEKV_LOG_COMPILES" ]; then
+      python3 -m sgl_sparsekv.compile_log "$SPARSEKV_LOG_COMPILES" | tail -8
+    fi
+    # FlashInfer's JIT builds of this call (minutes on a fresh machine, for whichever server starts first)
+    find ~/.cache/flashinfer -name "*.so" -newer "$OUT/gpu.txt" -printf "%TT %f\n" 2>/dev/null | sort \
+      | tee "$OUT/$name.flashinfer_built.txt" ;;
   profile)
     name=$2; shift 2
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null

@@ -1,7 +1,7 @@
 """Every Triton kernel compile in this process, with its time, for finding where a server's start goes.
 
 A lychee server's first start on a fresh machine spends minutes compiling Triton kernels (README, "GPU"). With
-``SGL_SPARSEKV_LOG_COMPILES`` set to a file path, each compile appends one JSON line: the process, when it ended,
+``SPARSEKV_LOG_COMPILES`` set to a file path, each compile appends one JSON line: the process, when it ended,
 the kernel, its seconds (a hit in Triton's on-disk cache takes milliseconds), whether it was a manual warmup, and
 Triton's specialization data, from which ``JITFunction.preload`` builds the same variant again.
 """
@@ -13,13 +13,13 @@ import os
 import threading
 import time
 
-ENV = "SGL_SPARSEKV_LOG_COMPILES"
+ENV = "SPARSEKV_LOG_COMPILES"
 _lock = threading.Lock()
 _installed: str | None = None   # the path this process logs to
 
 
 def install_from_env() -> bool:
-    """Install the hooks once per process where ``SGL_SPARSEKV_LOG_COMPILES`` names a file."""
+    """Install the hooks once per process where ``SPARSEKV_LOG_COMPILES`` names a file."""
     path = os.environ.get(ENV)
     if not path or _installed == path:
         return False

@@ -182,7 +182,7 @@ class IndexPools:
         return got[1] == 0
 
     def check_range(self, rng: PoolRanges) -> None:
-        """Debug mode (SGL_SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.
+        """Debug mode (SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.
         Reads device memory (a sync); the GPU tests run with it on."""
         cap = self.capacity
         assert 0 <= rng.co and rng.co + rng.P <= cap.coarse, ("coarse range", rng)

@@ -143,8 +143,9 @@ PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepar
 # frees and key slots read back, the prefix's slots)
 BUILD_PHASES = ("build_keys_s", "build_cluster_s", "build_load_s")
 logger = logging.getLogger("sgl_sparsekv")
-# SGL_SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
-DEBUG = os.environ.get("SGL_SPARSEKV_DEBUG") == "1"
+# (the plugin's variables start SPARSEKV_: SGLang rewrites every SGL_* one with a deprecation warning)
+# SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
+DEBUG = os.environ.get("SPARSEKV_DEBUG") == "1"
 
 
 def unit_min(cfg: SparseKVConfig) -> int:

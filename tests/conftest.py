@@ -9,7 +9,7 @@ if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exist
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # every pool range the GPU kernels read is checked against the pools (sgl_sparsekv/manager.py: DEBUG)
-os.environ.setdefault("SGL_SPARSEKV_DEBUG", "1")
+os.environ.setdefault("SPARSEKV_DEBUG", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench/ and tests/ helpers; appended so PyPI packages win
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 def smollm2_dir():
     from sgl_sparsekv.models import prepare
 
-    return str(prepare("smollm2", os.environ.get("SGL_SPARSEKV_MODEL_DIR", ROOT / "models" / "smollm2")))
+    return str(prepare("smollm2", os.environ.get("SPARSEKV_MODEL_DIR", ROOT / "models" / "smollm2")))
 
 
 @pytest.fixture(scope="session")
