@@ -29,7 +29,7 @@ import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from bench.server import CPU_ARGS, Lineup, Server
+from bench.server import CPU_ARGS, Lineup, Server, alongside
 from bench.tasks import RULER, STRUCTURED, TASKS, make
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
@@ -83,11 +83,12 @@ def digest(text: str) -> str:
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
-        first: int = 0) -> dict:
+        first: int = 0, parallel: int = 1) -> dict:
     """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task; ``save(res)``
     is called after each, so a long run keeps what it finished.
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
-    ``tp_size``: tensor parallelism on the GPU. Each answer's digest is kept, so two runs of the same samples
+    ``tp_size``: tensor parallelism on the GPU. ``parallel``: servers at work at once on the one GPU, each with
+    its KV pool capped (``bench.server.alongside``). Each answer's digest is kept, so two runs of the same samples
     (say TP 1 and TP 2) can be compared answer by answer."""
     from transformers import AutoTokenizer
 
@@ -97,13 +98,15 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         import torch
 
         device, server = torch.cuda.get_device_name(), GPU_SERVER + ["--attention-backend", gpu_backend]
+        if parallel > 1:   # servers side by side: each KV pool capped at what its samples in flight need
+            server = server + ["--max-total-tokens", str(concurrency * (max(lengths) + 1024))]
     else:
         device, server = f"CPU ({platform.machine()})", CPU_SERVER
     server = server + ["--context-length", str(CONTEXT.get(model, 8192))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
     res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "first_seed": first,
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
-           "runs": []}
+           "runs": [], **({"servers_alongside": parallel} if parallel > 1 else {})}
     servers, eager = {}, {}
     for name in methods:
         method, extra = METHODS[name]
@@ -114,35 +117,52 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             eager[name, budget] = bool(gpu_backend) and (method == "quest" or not cuda_graph)
             args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
             servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
+
+    def score(name, budget, srv, pool) -> dict:
+        scores, counts = {}, {}
+        for t in tasks:
+            for n in lengths:
+                texts = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"], data[t][n]))
+                done = [s.score(text) for s, text in zip(data[t][n], texts)]
+                k = sum(done)
+                scores[f"{t}@{n}"] = k / len(done)
+                # the failed seeds let two methods be compared sample by sample
+                counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
+                                      "failed": [first + i for i, ok in enumerate(done) if not ok],
+                                      "digests": [digest(text) for text in texts]}
+        stats = srv.stats()
+        kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
+        return {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
+                **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
+                   if stats.get("scored_tokens") else {}),
+                "cuda_graph": bool(gpu_backend) and not eager[name, budget]}
+
+    def record(run_: dict, seconds: float) -> None:
+        run_["seconds"] = round(seconds, 1)
+        res["runs"].append(summarize(run_))
+        res["runs"].sort(key=lambda r: order.index((r["method"], r["budget"])))   # alongside: as they end
+        print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
+        if save:
+            save(res)
+
+    order = list(servers)
+    if parallel > 1:
+        def work(key, srv):
+            t0 = time.time()
+            with ThreadPoolExecutor(concurrency) as pool:
+                return score(*key, srv, pool), time.time() - t0 + srv.ready_s   # its start included, as below
+
+        for _, (run_, seconds) in alongside(servers, work, parallel):
+            record(run_, seconds)
+        return res
     with Lineup(servers, ahead=0 if gpu_backend else 1) as lineup:
         for name, budget in servers:
             t0 = time.time()
             # the pool closes last: stopped mid-run (SIGTERM), the server goes first and the requests in flight
             # fail at once, instead of the pool waiting out their timeouts before the server is stopped
             with ThreadPoolExecutor(concurrency) as pool, lineup.take((name, budget)) as srv:
-                scores, counts = {}, {}
-                for t in tasks:
-                    for n in lengths:
-                        texts = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"],
-                                              data[t][n]))
-                        done = [s.score(text) for s, text in zip(data[t][n], texts)]
-                        k = sum(done)
-                        scores[f"{t}@{n}"] = k / len(done)
-                        # the failed seeds let two methods be compared sample by sample
-                        counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
-                                              "failed": [first + i for i, ok in enumerate(done) if not ok],
-                                              "digests": [digest(text) for text in texts]}
-                stats = srv.stats()
-            kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
-            run_ = {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
-                    **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
-                       if stats.get("scored_tokens") else {}),
-                    "seconds": round(time.time() - t0, 1),
-                    "cuda_graph": bool(gpu_backend) and not eager[name, budget]}
-            res["runs"].append(summarize(run_))
-            print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
-            if save:
-                save(res)
+                run_ = score(name, budget, srv, pool)
+            record(run_, time.time() - t0)
     return res
 
 
@@ -295,6 +315,8 @@ def main():
     ap.add_argument("--concurrency", type=int, default=1, help="samples in flight at once (batched by SGLang)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="on the GPU: serve every method eagerly")
     ap.add_argument("--tp-size", type=int, default=1, help="on the GPU: tensor parallelism of every server")
+    ap.add_argument("--parallel", type=int, default=1, help="on one GPU: servers at work at once (a small model "
+                    "leaves the GPU idle through most of a server's start and much of its serving)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--compare", nargs=2, metavar="RESULT",
@@ -328,6 +350,8 @@ def main():
         with open(a.append[1], "w") as f:
             json.dump(merged, f, indent=1)
         return
+    if a.parallel > 1 and (a.device != "gpu" or a.tp_size > 1):
+        ap.error("--parallel runs servers side by side on one GPU: it needs --device gpu and --tp-size 1")
     if a.quick:
         a.budgets, a.lengths, a.samples = [256], [1000], 2
         a.tasks = ["passkey", "niah_multikey", "json_value"]
@@ -344,7 +368,7 @@ def main():
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
-              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first)
+              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel)
     if a.plot:
         plot(res, a.plot)
 

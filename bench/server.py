@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import requests
 
@@ -101,7 +102,8 @@ class Lineup:
     543 s with pairs against 663 s one by one, while the quick fidelity run's four took as long either way (pairs
     ready in 84-96 s). A group starts only when a server not started yet is taken, never beside a server at work:
     its imports would take a core from the torch threads serving, which then wait on each other (a CPU decode step
-    ran 10x slower). On one GPU, ``ahead=0``: two servers would split its memory.
+    ran 10x slower). On one GPU, ``ahead=0``: two servers would split its memory (``alongside`` runs several there,
+    each with its KV pool capped).
 
         with Lineup({"off": Server(...), "lychee": Server(...)}) as lineup:
             with lineup.take("off") as srv: ...
@@ -127,6 +129,46 @@ class Lineup:
         for srv in self.waiting.values():
             srv.__exit__()
         self.waiting.clear()
+
+
+def alongside(servers: dict, work, k: int):
+    """Yields ``(key, work(key, srv))`` for each server as its work ends, ``k`` servers starting or at work at once,
+    each on a thread of its own. For servers side by side on one GPU: SGLang sizes a server's KV pool from the
+    memory free when it starts, so each must cap its pool (``--max-total-tokens``), else the first takes the memory
+    the others need. A failure, or SIGTERM, stops every server and starts no more."""
+    stopping = threading.Event()
+
+    def one(key):
+        srv = servers[key]
+        if stopping.is_set():
+            raise RuntimeError("stopped before its start")
+        try:
+            srv.__enter__()
+            return key, work(key, srv)
+        except BaseException:
+            stopping.set()   # before this thread takes the next server
+            raise
+        finally:
+            srv.__exit__()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    pool = ThreadPoolExecutor(k)
+    futures = [pool.submit(one, key) for key in servers]
+    try:
+        for done in as_completed(futures):
+            yield done.result()
+    finally:
+        stopping.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        # the requests in flight fail at once and their threads end; a start already under way when the stop came
+        # is stopped at the next pass
+        while True:
+            for srv in servers.values():
+                srv.__exit__()
+            if all(f.done() for f in futures):
+                break
+            time.sleep(0.2)
 
 
 class Server:
@@ -190,8 +232,11 @@ class Server:
     def _wait_ready(self):
         deadline = time.time() + self.timeout
         while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log:\n{self.tail()}")
+            proc = self.proc
+            if proc is None:
+                raise RuntimeError("server stopped while it started")
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; log:\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=5).status_code == 200:
                     # launch to ready; a server a Lineup launched ahead is seen ready only once it is taken
@@ -206,21 +251,21 @@ class Server:
         """Stops the server's whole process group (its schedulers hold the GPU memory) and waits until it is
         gone, so the next server on these GPUs finds their memory free."""
         _claimed.difference_update((self.port, self.nccl_port))
-        if self.proc:
-            group = self.proc.pid
+        proc, self.proc = self.proc, None   # (``alongside`` may stop it from another thread too)
+        if proc:
+            group = proc.pid
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 _signal_group(group, sig)
                 deadline = time.time() + 30
                 while _group_alive(group) and time.time() < deadline:
-                    self.proc.poll()   # reaps the launcher, else it stays a zombie member of the group
+                    proc.poll()   # reaps the launcher, else it stays a zombie member of the group
                     time.sleep(0.2)
                 if not _group_alive(group):
                     break
-            self.proc.wait()
-            self.proc = None
-        if self.log is not None:   # also where the launch itself failed
-            self.log.close()
-            self.log = None
+            proc.wait()
+        log, self.log = self.log, None
+        if log is not None:   # also where the launch itself failed
+            log.close()
 
     def tail(self, n: int = 60) -> str:
         with open(self.log_path) as f:

@@ -210,3 +210,76 @@ def test_gpu_serving_records_how_long_a_server_took_to_start(tmp_path):
     quiet.args = [sys.executable, "-c", FAKE_HEALTHY, str(quiet.port)]
     with quiet:
         assert server_start(quiet)["decode_graph_capture_s"] is None   # eager: no capture line
+
+
+def _slow_servers(tmp_path, keys, start_s: float):
+    """Fake servers that become healthy ``start_s`` after their launch."""
+    from bench.server import Server
+
+    slow = f"import time; time.sleep({start_s})\n" + FAKE_HEALTHY
+    servers = {}
+    for key in keys:
+        srv = servers[key] = Server("unused", log_path=str(tmp_path / f"{key}.log"), timeout=60)
+        srv.args = [sys.executable, "-c", slow, str(srv.port)]
+    return servers
+
+
+def test_alongside_keeps_k_servers_at_work(tmp_path):
+    """bench.server.alongside (fidelity's --parallel on one GPU): k servers start together and work side by side;
+    as one ends the next in turn starts; every result comes back as its work ends, and every server is stopped."""
+    import threading
+
+    from bench.server import alongside
+
+    servers = _slow_servers(tmp_path, "abcde", 0.5)
+    launched, at_work, most = {}, [0], [0]
+    lock, d_at_work = threading.Lock(), threading.Event()
+
+    def work(key, srv):
+        launched[key] = srv.launched_at
+        with lock:
+            at_work[0] += 1
+            most[0] = max(most[0], at_work[0])
+        if key == "a":   # a works until d is at work: b, c and d take the second place one after another
+            assert d_at_work.wait(60)
+        else:
+            time.sleep(0.2)
+            if key == "d":
+                d_at_work.set()
+        with lock:
+            at_work[0] -= 1
+        return key.upper(), srv.proc.pid
+
+    got = dict(alongside(servers, work, 2))
+    assert {k: v[0] for k, v in got.items()} == {k: k.upper() for k in "abcde"}
+    assert most[0] == 2
+    assert abs(launched["a"] - launched["b"]) < 0.4 < launched["c"] - launched["b"]   # a and b started together
+    assert sorted(launched, key=launched.get)[2:] == list("cde")
+    assert list(got)[0] == "b"   # results come as the work ends, not in turn
+    assert all(s.proc is None for s in servers.values()) and not any(alive(pid) for _, pid in got.values())
+
+
+def test_alongside_stops_every_server_when_one_fails(tmp_path):
+    """A failure in one server's work stops the servers at work beside it and starts none of those waiting."""
+    import pytest
+    import requests
+
+    from bench.server import alongside
+
+    servers = _slow_servers(tmp_path, "abcd", 0.2)
+    pids = {}
+
+    def work(key, srv):
+        pids[key] = srv.proc.pid
+        if key == "b":
+            raise ValueError("b failed")
+        while True:   # a's work, as a request stream: it ends only because its server is stopped under it
+            requests.get(srv.url, timeout=5).raise_for_status()
+            time.sleep(0.05)
+
+    t0 = time.time()
+    with pytest.raises(ValueError, match="b failed"):
+        dict(alongside(servers, work, 2))
+    assert time.time() - t0 < 20
+    assert set(pids) == {"a", "b"}
+    assert all(s.proc is None for s in servers.values()) and not any(alive(p) for p in pids.values())
