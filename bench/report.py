@@ -692,7 +692,8 @@ def compare_fidelity_table(path: Path) -> str:
 LATEST = ("gpu_serving_h200_valuecut.json", "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json",
           "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json", "gpu_serving_h200_chain_tpot.json",
           "gpu_serving_h200_chain_shared.json", "fidelity_qwen2.5-coder-0.5b_16k_gpu.json",
-          "fidelity_qwen2.5-coder-0.5b_30k_gpu.json", "fidelity_qwen2.5-coder-0.5b_16384_gpu.json")
+          "fidelity_qwen2.5-coder-0.5b_30k_gpu.json", "fidelity_qwen2.5-coder-0.5b_16384_gpu.json",
+          "fidelity_qwen2.5-coder-0.5b_8k_gpu.json")
 
 
 def main(argv=None):
@@ -700,7 +701,8 @@ def main(argv=None):
     ap.add_argument("--latest", action="store_true", help="only the README's tables (LATEST)")
     latest = ap.parse_args(argv).latest
     out = []
-    for name, fn in (("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
+    for name, fn in (("fidelity_qwen2.5-coder-0.5b_8k_gpu.json", fidelity_runs_table),
+                     ("fidelity_qwen2.5-coder-0.5b_16k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
