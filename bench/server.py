@@ -164,8 +164,8 @@ def alongside(servers: dict, work, k: int):
         # the requests in flight fail at once and their threads end; a start already under way when the stop came
         # is stopped at the next pass
         while True:
-            for srv in servers.values():
-                srv.__exit__()
+            with ThreadPoolExecutor(len(servers)) as stop:   # together: each may take seconds to go
+                list(stop.map(lambda srv: srv.__exit__(), servers.values()))
             if all(f.done() for f in futures):
                 break
             time.sleep(0.2)

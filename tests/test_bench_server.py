@@ -283,3 +283,38 @@ def test_alongside_stops_every_server_when_one_fails(tmp_path):
     assert time.time() - t0 < 20
     assert set(pids) == {"a", "b"}
     assert all(s.proc is None for s in servers.values()) and not any(alive(p) for p in pids.values())
+
+
+ALONGSIDE_DRIVER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import requests
+    from bench.server import Server, alongside
+    servers = {{}}
+    for key in "abc":
+        srv = servers[key] = Server("unused", log_path={log!r} + key, timeout=60)
+        srv.args = [sys.executable, "-c", {launcher!r}, str(srv.port)]
+
+    def work(key, srv):
+        print(srv.proc.pid, flush=True)
+        while True:
+            requests.get(srv.url, timeout=5).raise_for_status()
+            time.sleep(0.05)
+
+    list(alongside(servers, work, 2))
+""")
+
+
+def test_alongside_stopped_by_sigterm_stops_every_server(tmp_path):
+    """`timeout` on the GPU machine stops a --parallel fidelity driver with SIGTERM: every server at work goes with
+    it, none is started after, and the driver ends within seconds."""
+    code = ALONGSIDE_DRIVER.format(root=str(ROOT), log=str(tmp_path / "s"), launcher=FAKE_HEALTHY)
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pids = [int(driver.stdout.readline()) for _ in range(2)]   # two at work
+    assert all(alive(p) for p in pids)
+    t0 = time.time()
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(60) == 128 + signal.SIGTERM
+    assert time.time() - t0 < 30
+    assert not any(alive(p) for p in pids)
+    assert driver.stdout.read() == ""   # the third never started
