@@ -1,6 +1,7 @@
 """Every Triton kernel compile in this process, with its time, for finding where a server's start goes.
 
-A lychee server's first start on a fresh machine spends minutes compiling Triton kernels (README, "GPU"). With
+A lychee server's first start on a fresh H200 spent 19-20 s compiling its Triton kernels, beside FlashInfer's JIT
+builds, which take minutes for any server (README, "GPU"; bench/results/gpu_start_h200.json). With
 ``SPARSEKV_LOG_COMPILES`` set to a file path, each compile appends one JSON line: the process, when it ended,
 the kernel, its seconds (a hit in Triton's on-disk cache takes milliseconds), whether it was a manual warmup, and
 Triton's specialization data, from which ``JITFunction.preload`` builds the same variant again.
