@@ -126,7 +126,7 @@ CAPTURE_LINE = re.compile(r"Capture target decode CUDA graph end\. elapsed=([\d.
 
 def server_start(srv: Server) -> dict:
     """How long the server took to start (launch to ready) and, of that, the decode graphs' capture, where a fresh
-    machine compiles the plugin's Triton kernels."""
+    machine compiles the plugin's Triton kernels and, in its first server, FlashInfer's JIT modules."""
     with open(srv.log_path, errors="replace") as f:
         capture = CAPTURE_LINE.search(f.read())
     return {"ready_s": srv.ready_s, "decode_graph_capture_s": float(capture.group(1)) if capture else None}

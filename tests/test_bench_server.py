@@ -92,18 +92,27 @@ FAKE_HEALTHY = textwrap.dedent("""
 """)
 
 
+def _fake_servers(tmp_path, keys, start_s: float = 0.0):
+    """Fake servers that become healthy ``start_s`` after their launch."""
+    from bench.server import Server
+
+    slow = f"import time; time.sleep({start_s})\n" + FAKE_HEALTHY
+    servers = {}
+    for key in keys:
+        srv = servers[key] = Server("unused", log_path=str(tmp_path / f"{key}.log"), timeout=60)
+        srv.args = [sys.executable, "-c", slow, str(srv.port)]
+    return servers
+
+
 def test_lineup_starts_servers_in_groups(tmp_path):
     """bench.server.Lineup: taking a server not started yet starts it with the next in turn; taking that one starts
     nothing (it started with the group); out of turn works alike. On exit the servers started and never taken are
     stopped. The ports of servers alive together (with SGLang's derived ones) never overlap."""
     from itertools import combinations
 
-    from bench.server import DERIVED, Lineup, Server
+    from bench.server import DERIVED, Lineup
 
-    servers = {}
-    for key in "abcde":
-        srv = servers[key] = Server("unused", log_path=str(tmp_path / f"{key}.log"), timeout=60)
-        srv.args = [sys.executable, "-c", FAKE_HEALTHY, str(srv.port)]
+    servers = _fake_servers(tmp_path, "abcde")
     assert all(abs(p - q) >= DERIVED for p, q in combinations([s.port for s in servers.values()], 2))
 
     def started():
@@ -188,7 +197,7 @@ def test_servers_get_their_nccl_port_from_the_claimed_ports():
 
 def test_gpu_serving_records_how_long_a_server_took_to_start(tmp_path):
     """bench.gpu_serving keeps each server's start: launch to ready (measured by bench.server.Server) and the
-    decode graphs' capture from SGLang's log line, where a fresh machine compiles the plugin's kernels."""
+    decode graphs' capture from SGLang's log line, where a fresh machine compiles kernels."""
     from bench.gpu_serving import server_start
     from bench.server import Server
 
@@ -212,18 +221,6 @@ def test_gpu_serving_records_how_long_a_server_took_to_start(tmp_path):
         assert server_start(quiet)["decode_graph_capture_s"] is None   # eager: no capture line
 
 
-def _slow_servers(tmp_path, keys, start_s: float):
-    """Fake servers that become healthy ``start_s`` after their launch."""
-    from bench.server import Server
-
-    slow = f"import time; time.sleep({start_s})\n" + FAKE_HEALTHY
-    servers = {}
-    for key in keys:
-        srv = servers[key] = Server("unused", log_path=str(tmp_path / f"{key}.log"), timeout=60)
-        srv.args = [sys.executable, "-c", slow, str(srv.port)]
-    return servers
-
-
 def test_alongside_keeps_k_servers_at_work(tmp_path):
     """bench.server.alongside (fidelity's --parallel on one GPU): k servers start together and work side by side;
     as one ends the next in turn starts; every result comes back as its work ends, and every server is stopped."""
@@ -231,7 +228,7 @@ def test_alongside_keeps_k_servers_at_work(tmp_path):
 
     from bench.server import alongside
 
-    servers = _slow_servers(tmp_path, "abcde", 0.5)
+    servers = _fake_servers(tmp_path, "abcde", 0.5)
     launched, at_work, most = {}, [0], [0]
     lock, d_at_work = threading.Lock(), threading.Event()
 
@@ -266,7 +263,7 @@ def test_alongside_stops_every_server_when_one_fails(tmp_path):
 
     from bench.server import alongside
 
-    servers = _slow_servers(tmp_path, "abcd", 0.2)
+    servers = _fake_servers(tmp_path, "abcd", 0.2)
     pids = {}
 
     def work(key, srv):
