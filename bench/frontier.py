@@ -1,8 +1,8 @@
-"""Accuracy against budget at 16K on the GPU harness's samples (Qwen2.5-Coder-0.5B, real weights, 50 samples of
-each task), from the committed results: every ten-task run at its latest commit, and Quest beside lychee and the
-box on the four structured tasks (the same seeded samples, one dense run for both files).
+"""Accuracy against budget on the GPU harness's samples (Qwen2.5-Coder-0.5B, real weights), from the committed
+results: every ten-task run at its latest commit, and the four structured tasks beside (at 16K with the structured
+budget sweep's runs too: the same seeded samples, one dense run for both files).
 
-    python -m bench.frontier    # bench/results/fidelity_qwen2.5-coder-0.5b_16k_frontier.png
+    python -m bench.frontier    # bench/results/fidelity_qwen2.5-coder-0.5b_{16k,8k}_frontier.png
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ from __future__ import annotations
 import functools
 import subprocess
 
-from bench.targets import FIDELITY, STRUCTURED_BUDGETS, correct, load
+from bench.targets import FIDELITY, FIDELITY_8K, STRUCTURED_BUDGETS, correct, load
 from bench.tasks import STRUCTURED
 
-OUT = "bench/results/fidelity_qwen2.5-coder-0.5b_16k_frontier.png"
+# name -> (prompt length, samples per task, the result files (the first holds every task), the figure)
+FIGURES = {"16K": (16000, 50, [FIDELITY["16K"], STRUCTURED_BUDGETS], "fidelity_qwen2.5-coder-0.5b_16k_frontier.png"),
+           "8K": (8000, 20, [FIDELITY_8K], "fidelity_qwen2.5-coder-0.5b_8k_frontier.png")}
 # the options as the README names them, by the names bench.fidelity gives their runs
 OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
-           "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest"}
+           "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest", "lychee-fixed": "fixed 16-token chunks"}
 
 
 @functools.cache
@@ -26,13 +28,14 @@ def committed_at(commit: str) -> int:
     return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
 
 
-def latest(*results: list, cells: set[str]) -> dict:
-    """(method, budget) -> (answers over ``cells``, commit) of its latest run that scored all of them, 50 each."""
+def latest(*results: list, cells: set[str], samples: int = 50) -> dict:
+    """(method, budget) -> (answers over ``cells``, commit) of its latest run that scored all of them, ``samples``
+    each."""
     out = {}
     for runs in results:
         for r in runs:
             if (r["method"] in OPTIONS or r["method"] == "off") and cells <= r["counts"].keys() \
-                    and all(r["counts"][c]["n"] == 50 for c in cells):
+                    and all(r["counts"][c]["n"] == samples for c in cells):
                 commit = r.get("commit", "").split(" ")[0]
                 key = r["method"], r["budget"]
                 if key not in out or committed_at(commit) >= committed_at(out[key][1]):
@@ -54,24 +57,31 @@ def panel(ax, points: dict, of: int, title: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
-def main() -> None:
+def figure(name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = load(FIDELITY["16K"])["runs"]
-    every = set(runs[0]["counts"])
-    structured = {f"{t}@16000" for t in STRUCTURED}
+    length, samples, files, out = FIGURES[name]
+    results = [load(f)["runs"] for f in files]
+    every = set(results[0][0]["counts"])
+    structured = {f"{t}@{length}" for t in STRUCTURED}
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    panel(axes[0], latest(runs, cells=every), 50 * len(every), "all ten tasks")
-    panel(axes[1], latest(load(STRUCTURED_BUDGETS)["runs"], runs, cells=structured), 50 * len(structured),
+    panel(axes[0], latest(results[0], cells=every, samples=samples), samples * len(every), "all ten tasks")
+    panel(axes[1], latest(*reversed(results), cells=structured, samples=samples), samples * len(structured),
           "the four structured tasks (JSON, YAML, code)")
     axes[1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Qwen2.5-Coder-0.5B at 16K, one H200 or H100 per run, 50 samples per task: each point the latest "
-                 "run of its (option, budget), labelled with its commit", fontsize=8)
+    cards = " or ".join(sorted({r["device"].removeprefix("NVIDIA ") for runs in results for r in runs}))
+    fig.suptitle(f"Qwen2.5-Coder-0.5B at {name}, one {cards} per run, {samples} samples per task: each point "
+                 "the latest run of its (option, budget), labelled with its commit", fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT, dpi=80)
+    fig.savefig(f"bench/results/{out}", dpi=80)
+
+
+def main() -> None:
+    for name in FIGURES:
+        figure(name)
 
 
 if __name__ == "__main__":

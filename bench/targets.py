@@ -235,6 +235,7 @@ def index_memory() -> list[str]:
 # -- #11: fidelity, Qwen2.5-Coder-0.5B with its real weights on the GPU, 50 samples per task ---------------------------
 
 FIDELITY = {"16K": "fidelity_qwen2.5-coder-0.5b_16k_gpu.json", "30K": "fidelity_qwen2.5-coder-0.5b_30k_gpu.json"}
+FIDELITY_8K = "fidelity_qwen2.5-coder-0.5b_8k_gpu.json"   # the budget sweep, 20 samples per task
 # Quest and select_ahead with fine_bound box over the same samples at 16384 tokens (no dense run on them)
 FIDELITY_16384 = "fidelity_qwen2.5-coder-0.5b_16384_gpu.json"
 STRUCTURED_BUDGETS = "fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json"

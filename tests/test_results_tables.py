@@ -59,6 +59,8 @@ def test_frontier_takes_each_points_latest_run_across_files(monkeypatch):
     got = latest(first, second, cells={"json_value@16000"})
     assert got == {("lychee", 512): (9, "516fbe5"), ("quest", 1024): (17, "516fbe5"), ("off", None): (21, "753310e")}
     assert latest(second, first, cells={"json_value@16000"}) == got
+    # the 8K sweep's figure takes its runs of 20 samples, and only those
+    assert latest(first, second, cells={"json_value@16000"}, samples=20) == {("quest", 1024): (5, "b432e23")}
 
 
 def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_them(tmp_path, monkeypatch):
