@@ -81,6 +81,30 @@ def digest(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:8]
 
 
+# logits: a right answer held by less turns on a near tie, which bf16 noise or the batch a request lands in can flip
+# (answer_margin_qwen_8k_shared_losses.json: what lychee and Quest both lost at 8K were ties of 0.03-0.06)
+FIRM = 0.5
+
+
+def held_by(sample, choice: dict) -> float | None:
+    """How firmly a right answer is written: the smallest gap between the top two log-probabilities over the tokens up
+    to the end of its last expected string (``choice`` from a completion asked for 2 logprobs); None where it is
+    wrong."""
+    lp = choice["logprobs"]
+    end = sample.answer_end("".join(lp["tokens"]))   # the tokens' texts, where the offsets are known
+    if end is None:
+        return None
+    gaps, at = [], 0
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        if at >= end:
+            break
+        at += len(token)
+        best = sorted((top or {}).values(), reverse=True)
+        if len(best) >= 2:   # two top tokens with one text collapse to one entry: that gap is unknown
+            gaps.append(best[0] - best[1])
+    return round(min(gaps), 3) if gaps else None
+
+
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
         first: int = 0, parallel: int = 1) -> dict:
@@ -122,14 +146,18 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         scores, counts = {}, {}
         for t in tasks:
             for n in lengths:
-                texts = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens)["choices"][0]["text"], data[t][n]))
+                got = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
+                                    data[t][n]))
+                texts = [c["text"] for c in got]
                 done = [s.score(text) for s, text in zip(data[t][n], texts)]
                 k = sum(done)
                 scores[f"{t}@{n}"] = k / len(done)
-                # the failed seeds let two methods be compared sample by sample
+                # the failed seeds let two methods be compared sample by sample; held_by (seed -> margin, for the
+                # right answers) tells an answer lost to a near tie from one that dense wrote firmly
+                held = {str(first + i): held_by(s, c) for i, (s, c, ok) in enumerate(zip(data[t][n], got, done)) if ok}
                 counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
                                       "failed": [first + i for i, ok in enumerate(done) if not ok],
-                                      "digests": [digest(text) for text in texts]}
+                                      "digests": [digest(text) for text in texts], "held_by": held}
         stats = srv.stats()
         kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
         return {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
@@ -187,7 +215,8 @@ def extend(a: dict, b: dict) -> dict:
         y = b["counts"][cell]
         k, n = x["correct"] + y["correct"], x["n"] + y["n"]
         counts[cell] = {"correct": k, "n": n, "ci95": wilson(k, n), "failed": x["failed"] + y["failed"],
-                        "digests": x["digests"] + y["digests"]}
+                        "digests": x["digests"] + y["digests"],
+                        **({"held_by": x["held_by"] | y["held_by"]} if "held_by" in x and "held_by" in y else {})}
     scores = {cell: c["correct"] / c["n"] for cell, c in counts.items()}
     na, nb = (next(iter(r["counts"].values()))["n"] for r in (a, b))   # samples per cell
     kv = (a["kv_read"] * na + b["kv_read"] * nb) / (na + nb)
@@ -217,6 +246,20 @@ def paired(dense: dict, counts: dict) -> tuple[int, int]:
             d, c = set(dense[cell]["failed"]), set(counts[cell]["failed"])
             lost, gained = lost + len(c - d), gained + len(d - c)
     return lost, gained
+
+
+def lost_firm(dense: dict, counts: dict) -> int | None:
+    """Of the answers dense got right and the run got wrong (``paired``), those dense held by at least ``FIRM``;
+    None where dense's run did not record how firmly (results before held_by)."""
+    if not all("held_by" in c for c in dense.values()):
+        return None
+    firm = 0
+    for cell in dense.keys() & counts.keys():
+        if dense[cell]["n"] == counts[cell]["n"]:
+            held = dense[cell]["held_by"]
+            for seed in set(counts[cell]["failed"]) - set(dense[cell]["failed"]):
+                firm += (held.get(str(seed)) or 0) >= FIRM
+    return firm
 
 
 def sign_test(lost: int, gained: int) -> float:

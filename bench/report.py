@@ -592,9 +592,11 @@ def fidelity_table(path: Path) -> str:
 def fidelity_runs_table(path: Path) -> str:
     """Runs of one length, each with its own card, commit and sample count: correct/n per task, the total with its
     95% Wilson interval."""
-    from bench.fidelity import total_with_interval
+    from bench.fidelity import FIRM, total_with_interval
 
     r = json.loads(path.read_text())
+    firm = (f", and how many of the lost answers dense held firmly (by at least {FIRM} logits at every token of its "
+            "answer)" if any("held_by" in c for run in r["runs"] for c in run["counts"].values()) else "")
     tasks = list(dict.fromkeys(t for run in r["runs"] for t in run["tasks"]))
     n = r["lengths"][0]
     rows = []
@@ -607,14 +609,14 @@ def fidelity_runs_table(path: Path) -> str:
                      against_dense(run, r["runs"])))
     return md_table(f"Fidelity on the GPU, {r['model']}, real weights, {n} tokens; against dense: the answers lost / "
                     f"gained sample by sample against the latest dense run over the same seeds, with the exact sign "
-                    f"test's p (`{path.relative_to(RESULTS.parent.parent)}`)",
+                    f"test's p{firm} (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["method", "budget", "card", "commit", "graphs", *tasks, "total (95% CI)", "KV read",
                      "against dense"], rows)
 
 
 def against_dense(run: dict, runs: list) -> str:
     """``lost / gained (p)`` against the latest dense run whose cells hold the same samples, or "-"."""
-    from bench.fidelity import paired, sign_test
+    from bench.fidelity import lost_firm, paired, sign_test
 
     if run["method"] == "off":
         return "-"
@@ -623,7 +625,8 @@ def against_dense(run: dict, runs: list) -> str:
     if not same:
         return "-"
     lost, gained = paired(same[-1]["counts"], run["counts"])
-    return f"{lost} / {gained} (p {sign_test(lost, gained):.2f})"
+    firm = lost_firm(same[-1]["counts"], run["counts"])
+    return f"{lost} / {gained} (p {sign_test(lost, gained):.2f})" + (f", {firm} firm" if firm is not None else "")
 
 
 def merged_recall_table(path: Path) -> str:

@@ -272,9 +272,11 @@ class Server:
             return "".join(f.readlines()[-n:])
 
     # ---------------------------------------------------------------- requests
-    def complete(self, prompt: str, max_tokens: int = 8) -> dict:
+    def complete(self, prompt: str, max_tokens: int = 8, logprobs: int | None = None) -> dict:
+        """Greedy completion; ``logprobs``: each output token's top log-probabilities, that many."""
         r = requests.post(self.url + "/v1/completions", timeout=900, json=dict(
-            model="default", prompt=prompt, max_tokens=max_tokens, temperature=0))
+            model="default", prompt=prompt, max_tokens=max_tokens, temperature=0,
+            **({"logprobs": logprobs} if logprobs else {})))
         r.raise_for_status()
         return r.json()
 

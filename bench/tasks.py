@@ -33,7 +33,13 @@ class Sample:
 
     def score(self, completion: str) -> bool:
         """Every expected string appears as a whole word (so "4" does not match inside "1455")."""
-        return all(re.search(rf"(?<!\w){re.escape(e)}(?!\w)", completion) for e in self.expected)
+        return self.answer_end(completion) is not None
+
+    def answer_end(self, completion: str) -> int | None:
+        """Where the answer is written out: the end of the last expected string's first whole-word match, or None
+        where one of them is missing."""
+        found = [re.search(rf"(?<!\w){re.escape(e)}(?!\w)", completion) for e in self.expected]
+        return max(m.end() for m in found) if all(found) else None
 
 
 def _ntok(tok, text: str) -> int:

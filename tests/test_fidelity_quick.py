@@ -31,6 +31,9 @@ def test_quick_mode(tmp_path, smollm2_dir):
             assert c["ci95"][0] <= r["scores"][cell] <= c["ci95"][1]
             assert len(c["failed"]) == c["n"] - c["correct"] and set(c["failed"]) <= {0, 1}
             assert len(c["digests"]) == c["n"]
+            # how firmly each right answer was written: one entry per right seed, a gap between two log-probs
+            assert set(c["held_by"]) == {str(seed) for seed in range(c["n"]) if seed not in c["failed"]}
+            assert all(m is None or m >= 0 for m in c["held_by"].values())
     # what the runner measures, not what a 135M model answers (accuracy claims live in the committed results)
     assert runs["off"]["kv_read"] == 1.0
     for name in ("lychee", "quest", "lychee-fixed"):
@@ -111,7 +114,10 @@ def test_extend_joins_two_runs_over_consecutive_seeds():
 
     a = run(range(0, 2), [1], ["a", "b"], 0.03, 10.0)
     b = run(range(2, 5), [], ["c", "d", "e"], 0.04, 20.0)
+    a["counts"]["passkey@30000"]["held_by"], b["counts"]["passkey@30000"]["held_by"] = {"0": 1.0}, {"3": 2.0}
     got = extend(a, b)
+    assert got["counts"]["passkey@30000"]["held_by"] == {"0": 1.0, "3": 2.0}
+    assert "held_by" not in got["counts"]["json_value@30000"]   # runs from before it
     cell = got["counts"]["passkey@30000"]
     assert (cell["correct"], cell["n"], cell["failed"], cell["digests"]) == (4, 5, [1], ["a", "b", "c", "d", "e"])
     assert got["counts"]["json_value@30000"]["failed"] == [0, 1, 2, 3, 4]
@@ -121,6 +127,37 @@ def test_extend_joins_two_runs_over_consecutive_seeds():
     assert got["samples"] == 5 and got["seconds"] == 30.0 and got["kv_read"] == pytest.approx(0.036)
     with pytest.raises(AssertionError):
         extend(a, {**b, "method": "off"})
+
+
+def test_held_by_is_the_smallest_top_two_gap_up_to_the_answers_end():
+    """Brute force over hand-made log-probabilities: the gaps after the answer (a near tie in the chatter after it)
+    and a collapsed entry (two top tokens of one text) do not count; a wrong answer has none."""
+    from bench.fidelity import held_by
+    from bench.tasks import Sample
+
+    tokens = [" VAR", " A", ",", " VAR", " B", ".", " Then"]
+    gaps = [2.0, 0.9, 3.0, 1.5, 0.7, 0.01, 0.02]
+    top = [{"x": -0.1, "y": -0.1 - g} for g in gaps]
+    top[1] = {" A": -0.2}   # one entry: its gap is unknown
+    choice = {"logprobs": {"tokens": tokens, "top_logprobs": top}}
+    assert held_by(Sample("t", "", ["VAR A", "VAR B"]), choice) == 0.7
+    assert held_by(Sample("t", "", ["VAR A"]), choice) == 2.0   # the answer ends at token 2
+    assert held_by(Sample("t", "", ["VAR A", "VAR C"]), choice) is None
+    brute = min(g for i, g in enumerate(gaps[:5]) if i != 1)
+    assert held_by(Sample("t", "", ["B"]), choice) == brute
+
+
+def test_lost_firm_counts_the_lost_answers_dense_held_firmly():
+    from bench.fidelity import FIRM, lost_firm
+
+    def cell(failed, held=None, n=4):
+        return {"correct": n - len(failed), "n": n, "failed": failed,
+                **({"held_by": held} if held is not None else {})}
+
+    dense = {"a@1": cell([3], {"0": FIRM + 1, "1": FIRM / 10, "2": None}), "b@1": cell([], {str(i): 5.0 for i in range(4)})}
+    run = {"a@1": cell([0, 1, 2, 3]), "b@1": cell([2])}
+    assert lost_firm(dense, run) == 2   # a: seed 0 firm, 1 a near tie, 2 unknown; b: seed 2
+    assert lost_firm({"a@1": cell([3])}, run) is None   # a dense run from before held_by
 
 
 def test_paired_counts_and_sign_test():
