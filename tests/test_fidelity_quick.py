@@ -154,7 +154,8 @@ def test_lost_firm_counts_the_lost_answers_dense_held_firmly():
         return {"correct": n - len(failed), "n": n, "failed": failed,
                 **({"held_by": held} if held is not None else {})}
 
-    dense = {"a@1": cell([3], {"0": FIRM + 1, "1": FIRM / 10, "2": None}), "b@1": cell([], {str(i): 5.0 for i in range(4)})}
+    dense = {"a@1": cell([3], {"0": FIRM + 1, "1": FIRM / 10, "2": None}),
+             "b@1": cell([], {str(i): 5.0 for i in range(4)})}
     run = {"a@1": cell([0, 1, 2, 3]), "b@1": cell([2])}
     assert lost_firm(dense, run) == 2   # a: seed 0 firm, 1 a near tie, 2 unknown; b: seed 2
     assert lost_firm({"a@1": cell([3])}, run) is None   # a dense run from before held_by
