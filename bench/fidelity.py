@@ -144,10 +144,12 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
 
     def score(name, budget, srv, pool) -> dict:
         scores, counts = {}, {}
+        # every cell's samples in one queue, so the batch stays full where a task's last samples finish
+        answers = pool.map(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
+                           [s for t in tasks for n in lengths for s in data[t][n]])
         for t in tasks:
             for n in lengths:
-                got = list(pool.map(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
-                                    data[t][n]))
+                got = [next(answers) for _ in data[t][n]]
                 texts = [c["text"] for c in got]
                 done = [s.score(text) for s, text in zip(data[t][n], texts)]
                 k = sum(done)

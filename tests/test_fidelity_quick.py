@@ -129,6 +129,45 @@ def test_extend_joins_two_runs_over_consecutive_seeds():
         extend(a, {**b, "method": "off"})
 
 
+def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch, smollm2_dir, smollm2_tokenizer):
+    """bench.fidelity.run with a fake server that answers right on chosen (task, seed): each cell gets its own
+    samples' answers back, though all of them were asked in one queue, several in flight."""
+    from bench import fidelity
+    from bench.tasks import make
+
+    right = {("passkey", 0), ("passkey", 2), ("niah_single", 1)}
+    asked = {make(t, smollm2_tokenizer, 300, seed).prompt: (t, seed) for t in ("passkey", "niah_single")
+             for seed in range(3)}
+
+    class FakeServer:
+        def __init__(self, *args, **kwargs):
+            self.proc = object()   # started: Lineup launches nothing
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def complete(self, prompt, max_tokens, logprobs=None):
+            task, seed = asked[prompt]
+            sample = make(task, smollm2_tokenizer, 300, seed)
+            text = " ".join(sample.expected) if (task, seed) in right else " no idea"
+            top = {"a": -0.1, "b": -0.1 - (seed + 1)}   # a gap of seed + 1 at every token
+            return {"choices": [{"text": text, "logprobs": {"tokens": [text], "top_logprobs": [top]}}]}
+
+        def stats(self):
+            return {}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    res = fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey", "niah_single"], [300], 3,
+                       concurrency=4)
+    counts = res["runs"][0]["counts"]
+    assert counts["passkey@300"]["failed"] == [1] and counts["niah_single@300"]["failed"] == [0, 2]
+    assert counts["passkey@300"]["held_by"] == {"0": 1.0, "2": 3.0}
+    assert counts["niah_single@300"]["held_by"] == {"1": 2.0}
+
+
 def test_held_by_is_the_smallest_top_two_gap_up_to_the_answers_end():
     """Brute force over hand-made log-probabilities: the gaps after the answer (a near tie in the chatter after it)
     and a collapsed entry (two top tokens of one text) do not count; a wrong answer has none."""
