@@ -615,7 +615,8 @@ def fidelity_runs_table(path: Path) -> str:
 
 
 def against_dense(run: dict, runs: list) -> str:
-    """``lost / gained (p)`` against the latest dense run whose cells hold the same samples, or "-"."""
+    """``lost / gained (p)`` against the latest dense run whose cells hold the same samples, with ``, K firm`` where
+    that dense run recorded how firmly it answered, or "-"."""
     from bench.fidelity import lost_firm, paired, sign_test
 
     if run["method"] == "off":
