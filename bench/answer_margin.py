@@ -341,7 +341,9 @@ def main(argv=None):
             if a.generate:
                 out = greedy(model, table, cfg, prompt, pre, a.generate, eos)
                 text = tok.decode(out["ids"])
-                row["scores"][m]["generated"] = {"text": text, "correct": s.score(text), "margins": out["margins"]}
+                pieces = [tok.decode([i]) for i in out["ids"]]
+                row["scores"][m]["generated"] = {"text": text, "correct": s.score(text), "margins": out["margins"],
+                                                 "held_by": s.held_by(pieces, out["margins"])}
             print(a.task, seed, m, row["scores"][m], flush=True)
         res["samples"].append(row)
     with open(a.out, "w") as f:

@@ -87,22 +87,12 @@ FIRM = 0.5
 
 
 def held_by(sample, choice: dict) -> float | None:
-    """How firmly a right answer is written: the smallest gap between the top two log-probabilities over the tokens up
-    to the end of its last expected string (``choice`` from a completion asked for 2 logprobs); None where it is
-    wrong."""
+    """``sample.held_by`` of a completion asked for 2 logprobs."""
     lp = choice["logprobs"]
-    end = sample.answer_end("".join(lp["tokens"]))   # the tokens' texts, where the offsets are known
-    if end is None:
-        return None
-    gaps, at = [], 0
-    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
-        if at >= end:
-            break
-        at += len(token)
-        best = sorted((top or {}).values(), reverse=True)
-        if len(best) >= 2:   # two top tokens with one text collapse to one entry: that gap is unknown
-            gaps.append(best[0] - best[1])
-    return round(min(gaps), 3) if gaps else None
+    # two top tokens with one text collapse to one entry: that gap is unknown
+    gaps = [b[0] - b[1] if len(b := sorted((top or {}).values(), reverse=True)) >= 2 else None
+            for top in lp["top_logprobs"]]
+    return sample.held_by(lp["tokens"], gaps)
 
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,

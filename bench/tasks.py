@@ -6,6 +6,7 @@ tokens of the model's tokenizer (approximate: filler is added in whole sentences
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -40,6 +41,17 @@ class Sample:
         where one of them is missing."""
         found = [re.search(rf"(?<!\w){re.escape(e)}(?!\w)", completion) for e in self.expected]
         return max(m.end() for m in found) if all(found) else None
+
+    def held_by(self, tokens: list[str], gaps: list[float | None]) -> float | None:
+        """How firmly a completion (its tokens' texts) writes the answer: the smallest gap between the top two
+        log-probabilities (``gaps``, None where unknown) over the tokens up to the answer's end; None where the
+        answer is wrong."""
+        end = self.answer_end("".join(tokens))
+        if end is None:
+            return None
+        starts = itertools.accumulate((len(t) for t in tokens), initial=0)
+        known = [g for g, at in zip(gaps, starts) if at < end and g is not None]
+        return round(min(known), 3) if known else None
 
 
 def _ntok(tok, text: str) -> int:
