@@ -82,7 +82,7 @@ def digest(text: str) -> str:
 
 
 # logits: a right answer held by less turns on a near tie, which bf16 noise or the batch a request lands in can flip
-# (answer_margin_qwen_8k_shared_losses.json: what lychee and Quest both lost at 8K were ties of 0.03-0.06)
+# (answer_margin_qwen_8k_losses.json: most of what lychee lost at 8K were ties of 0.03-0.36)
 FIRM = 0.5
 
 
