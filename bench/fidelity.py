@@ -161,7 +161,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         run_["seconds"] = round(seconds, 1)
         res["runs"].append(summarize(run_))
         res["runs"].sort(key=lambda r: order.index((r["method"], r["budget"])))   # alongside: as they end
-        print(json.dumps({k: v for k, v in run_.items() if k != "scores"}), flush=True)
+        print(json.dumps(brief(run_)), flush=True)
         if save:
             save(res)
 
@@ -187,6 +187,15 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 run_ = score(name, budget, srv, pool)
             record(run_, time.time() - t0)
     return res
+
+
+def brief(run_: dict) -> dict:
+    """A run as one short line of a device call's output (whose tail is all that comes back): right answers per cell
+    and in all, without the digests, seeds and margins the result file keeps."""
+    right = {cell: c["correct"] for cell, c in run_["counts"].items()}
+    return {"method": run_["method"], "budget": run_["budget"], "right": right, "total": sum(right.values()),
+            "of": sum(c["n"] for c in run_["counts"].values()),
+            **{k: run_[k] for k in ("kv_read", "seconds", "cuda_graph") if k in run_}}
 
 
 def summarize(run_: dict) -> dict:

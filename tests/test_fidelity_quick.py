@@ -164,6 +164,9 @@ def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch,
                        concurrency=4)
     counts = res["runs"][0]["counts"]
     assert counts["passkey@300"]["failed"] == [1] and counts["niah_single@300"]["failed"] == [0, 2]
+    assert fidelity.brief(res["runs"][0]) == {"method": "off", "budget": None, "total": 3, "of": 6,
+                                              "right": {"passkey@300": 2, "niah_single@300": 1}, "kv_read": 1.0,
+                                              "seconds": res["runs"][0]["seconds"], "cuda_graph": False}
     assert counts["passkey@300"]["held_by"] == {"0": 1.0, "2": 3.0}
     assert counts["niah_single@300"]["held_by"] == {"1": 2.0}
 
