@@ -238,15 +238,20 @@ def append(new: dict, committed: dict, **fields) -> dict:
     return {**committed, "runs": committed["runs"] + runs}
 
 
-def paired(dense: dict, counts: dict) -> tuple[int, int]:
-    """Sample by sample over the cells both runs scored with the same seeds: (answers dense got right and the run
-    got wrong, answers the run got right and dense got wrong)."""
-    lost = gained = 0
+def discordant(dense: dict, counts: dict):
+    """Per cell both runs scored with the same seeds: (cell, seeds dense got right and the run got wrong, seeds the
+    run got right and dense got wrong)."""
     for cell in dense.keys() & counts.keys():
         if dense[cell]["n"] == counts[cell]["n"]:
             d, c = set(dense[cell]["failed"]), set(counts[cell]["failed"])
-            lost, gained = lost + len(c - d), gained + len(d - c)
-    return lost, gained
+            yield cell, c - d, d - c
+
+
+def paired(dense: dict, counts: dict) -> tuple[int, int]:
+    """Sample by sample over the cells both runs scored with the same seeds: (answers dense got right and the run
+    got wrong, answers the run got right and dense got wrong)."""
+    pairs = [(len(lost), len(gained)) for _, lost, gained in discordant(dense, counts)]
+    return sum(x for x, _ in pairs), sum(y for _, y in pairs)
 
 
 def lost_firm(dense: dict, counts: dict) -> int | None:
@@ -254,13 +259,8 @@ def lost_firm(dense: dict, counts: dict) -> int | None:
     None where dense's run did not record how firmly (results before held_by)."""
     if not all("held_by" in c for c in dense.values()):
         return None
-    firm = 0
-    for cell in dense.keys() & counts.keys():
-        if dense[cell]["n"] == counts[cell]["n"]:
-            held = dense[cell]["held_by"]
-            for seed in set(counts[cell]["failed"]) - set(dense[cell]["failed"]):
-                firm += (held.get(str(seed)) or 0) >= FIRM
-    return firm
+    return sum((dense[cell]["held_by"].get(str(seed)) or 0) >= FIRM
+               for cell, lost, _ in discordant(dense, counts) for seed in lost)
 
 
 def sign_test(lost: int, gained: int) -> float:
