@@ -67,6 +67,23 @@ GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--m
               "--cuda-graph-max-bs", "32"]
 
 
+def cell(arg: str) -> tuple[str, list[int] | None]:
+    """A ``--methods`` word: a method of METHODS, served at every ``--budgets`` budget, or ``NAME@BUDGET``, one
+    cell, so one call can serve the cells a sweep lacks without repeating those it has."""
+    name, _, budget = arg.partition("@")
+    if name not in METHODS or (budget and not budget.isdigit()) or (budget and name == "off"):
+        raise ValueError(f"--methods: {arg!r} is not a method ({', '.join(METHODS)}) or METHOD@BUDGET")
+    return name, [int(budget)] if budget else None
+
+
+def method_arg(arg: str) -> str:
+    try:
+        cell(arg)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--methods: ")) from None
+    return arg
+
+
 def wilson(correct: int, n: int, z: float = 1.96) -> list[float]:
     """95% Wilson score interval of a success rate (well behaved at 0 and n, unlike the normal approximation)."""
     if n == 0:
@@ -122,9 +139,9 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
            "runs": [], **({"servers_alongside": parallel} if parallel > 1 else {})}
     servers, eager = {}, {}
-    for name in methods:
+    for name, own in map(cell, methods):
         method, extra = METHODS[name]
-        for budget in ([None] if method == "off" else budgets):
+        for budget in ([None] if method == "off" else own or budgets):
             cfg = None if method == "off" else {"token_budget": budget, **{
                 k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
             # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
@@ -348,8 +365,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--methods", nargs="+", default=["off", "lychee", "quest", "lychee-fixed"], choices=list(METHODS),
-                    help="the ranking variants run only when named")
+    ap.add_argument("--methods", nargs="+", default=["off", "lychee", "quest", "lychee-fixed"], type=method_arg,
+                    help="the ranking variants run only when named; METHOD@BUDGET: that one budget")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])

@@ -3,7 +3,7 @@
 #   bash bench/on_device.sh tests                                  # pytest -m gpu, log in $OUT/gpu_tests.log
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
-#   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off"  # bench.fidelity into $OUT/NAME.json
+#   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the

@@ -171,6 +171,37 @@ def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch,
     assert counts["niah_single@300"]["held_by"] == {"1": 2.0}
 
 
+def test_methods_name_whole_sweeps_or_single_cells(monkeypatch, smollm2_dir):
+    """``--methods`` words: a method runs at every budget, ``NAME@BUDGET`` at that one alone; bad words are refused
+    when the flags are read, before any server starts."""
+    from bench import fidelity
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, model_dir, method, cfg, **kwargs):
+            started.append((method, cfg and cfg["token_budget"], cfg and cfg.get("chunking")))
+            self.proc = object()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def stats(self):
+            return {}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee-fixed@512", "lychee"], [256, 1024], [], [300], 1)
+    assert started == [("off", None, None), ("lychee", 512, "fixed"), ("lychee", 256, None), ("lychee", 1024, None)]
+    assert [(r["method"], r["budget"]) for r in res["runs"]] == [
+        ("off", None), ("lychee-fixed", 512), ("lychee", 256), ("lychee", 1024)]
+    for word in ("off@512", "lychee@big", "dense"):
+        with pytest.raises(ValueError, match="METHOD@BUDGET"):
+            fidelity.cell(word)
+
+
 def test_held_by_is_the_smallest_top_two_gap_up_to_the_answers_end():
     """Brute force over hand-made log-probabilities: the gaps after the answer (a near tie in the chatter after it)
     and a collapsed entry (two top tokens of one text) do not count; a wrong answer has none."""
