@@ -20,6 +20,10 @@ FIGURES = {"16K": (16000, 50, [FIDELITY["16K"], STRUCTURED_BUDGETS], "fidelity_q
 OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
            "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest", "lychee-fixed": "fixed 16-token chunks"}
 
+# the commit that last changed lychee's defaults (coarse_expand 32): a run of the default before it measured other
+# settings
+DEFAULTS_SINCE = {"lychee": "2815376"}
+
 
 @functools.cache
 def committed_at(commit: str) -> int:
@@ -50,6 +54,10 @@ def panel(ax, points: dict, of: int, title: str) -> None:
             ax.plot([b for b, _, _ in got], [n for _, n, _ in got], marker="o", label=label)
             for b, n, c in got:
                 ax.annotate(c, (b, n), fontsize=6, textcoords="offset points", xytext=(3, -9))
+            since = committed_at(DEFAULTS_SINCE.get(method, ""))
+            old = [(b, n) for b, n, c in got if committed_at(c) < since]
+            if old:   # hollow: measured before the defaults last changed
+                ax.scatter(*zip(*old), s=30, color="white", edgecolors=ax.lines[-1].get_color(), zorder=3)
     ax.axhline(points["off", None][0], color="k", linestyle="--", label="dense")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("token budget per request, layer and KV head")
@@ -74,7 +82,8 @@ def figure(name: str) -> None:
     axes[1].legend(fontsize=7, loc="lower right")
     cards = " or ".join(sorted({r["device"].removeprefix("NVIDIA ") for runs in results for r in runs}))
     fig.suptitle(f"Qwen2.5-Coder-0.5B at {name}, one {cards} per run, {samples} samples per task: each point "
-                 "the latest run of its (option, budget), labelled with its commit", fontsize=8)
+                 "the latest run of its (option, budget), labelled with its commit;\nhollow: the default's runs "
+                 f"before its defaults last changed ({DEFAULTS_SINCE['lychee']})", fontsize=8)
     fig.tight_layout()
     fig.savefig(f"bench/results/{out}", dpi=80)
 
