@@ -84,3 +84,31 @@ def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_t
     assert next(line for line in lines if line.startswith("| new")).endswith("| 0.40 | 0.90 | 0.60 | 38 |")
     path.write_text(json.dumps(dict(r, settings=dict(r["settings"], methods=["old"]))))
     assert "selection running" not in report.step_profile_table(path)
+
+
+def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(monkeypatch):
+    """bench.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
+    ones the later recorded); lychee against Quest counted on the seeds both served, and left out for a lychee run
+    of older defaults."""
+    import bench.frontier as fr
+
+    tasks = [f"t{i}@8000" for i in range(10)]
+
+    def run(method, budget, commit, n, failed=()):
+        return {"method": method, "budget": budget, "commit": commit, "kv_read": 0.05,
+                "counts": {t: {"n": n, "correct": n - len(failed) if t == tasks[0] else n,
+                               "failed": list(failed) if t == tasks[0] else []} for t in tasks}}
+
+    runs = [run("off", None, "new", 5), run("lychee", 1024, "new", 5, failed=[4]), run("lychee", 1024, "newer", 3),
+            run("lychee", 1024, "newest", 5, failed=[0]), run("quest", 1024, "new", 3, failed=[1, 2]),
+            run("lychee", 512, "old", 5), run("quest", 512, "new", 5, failed=[1])]
+    best = fr.best_runs(runs)
+    assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
+    monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
+    monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5}.__getitem__)
+    rows = {line.split(" | ")[0].strip("| "): line for line in fr.sweep_table("8K").splitlines() if line.startswith("| ")}
+    # seeds 0-2 of each: lychee lost seed 0, Quest seeds 1 and 2
+    assert rows["1024"].endswith("| 2 / 1 (p 1.00) |") and "49 (5.0%, newest)" in rows["1024"]
+    assert "28 of 30 (5.0%, new)" in rows["1024"]
+    assert "50 (5.0%, old, older defaults)" in rows["512"] and rows["512"].endswith("| - |")
+    assert rows["256"] == "| 256 | - | - | - | - |"
