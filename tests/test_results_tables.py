@@ -106,7 +106,8 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
     monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5}.__getitem__)
-    rows = {line.split(" | ")[0].strip("| "): line for line in fr.sweep_table("8K").splitlines() if line.startswith("| ")}
+    lines = fr.sweep_table("8K").splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
     # seeds 0-2 of each: lychee lost seed 0, Quest seeds 1 and 2
     assert rows["1024"].endswith("| 2 / 1 (p 1.00) |") and "49 (5.0%, newest)" in rows["1024"]
     assert "28 of 30 (5.0%, new)" in rows["1024"]
