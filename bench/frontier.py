@@ -4,6 +4,7 @@ budget sweep's runs too: the same seeded samples, one dense run for both files).
 
     python -m bench.frontier            # bench/results/fidelity_qwen2.5-coder-0.5b_{16k,8k}_frontier.png
     python -m bench.frontier --tables   # the budget sweep's tables at 8K, 16K and 30K (the README's, generated)
+    python -m bench.frontier --missing 16K   # its cells still to serve there, as bench.fidelity --methods words
 """
 
 from __future__ import annotations
@@ -143,9 +144,26 @@ def sweep_table(name: str) -> str:
     return md_table(caption, ["budget", *SWEPT.values(), "lychee against Quest, gained / lost"], rows)
 
 
+def missing(name: str) -> list[str]:
+    """The sweep's cells at ``name`` not yet served with the length's full sample count (or, for lychee, not since its
+    defaults last changed), as ``bench.fidelity --methods`` words (``NAME@BUDGET``)."""
+    runs = best_runs(load(SWEEP[name])["runs"])
+    per = min(c["n"] for c in runs["off", None]["counts"].values())
+    since = committed_at(DEFAULTS_SINCE["lychee"])
+
+    def served(r) -> bool:
+        return (r is not None and min(c["n"] for c in r["counts"].values()) == per
+                and (r["method"] != "lychee" or committed_at(r["commit"].split(" ")[0]) >= since))
+
+    return [f"{m}@{b}" for m in SWEPT for b in BUDGETS if not served(runs.get((m, b)))]
+
+
 def main() -> None:
     if sys.argv[1:] == ["--tables"]:
         print("\n\n".join(sweep_table(name) for name in SWEEP))
+        return
+    if sys.argv[1:2] == ["--missing"]:   # e.g. bash bench/on_device.sh fidelity NAME 16000 "$(... --missing 16K)"
+        print(" ".join(missing(sys.argv[2])))
         return
     for name in FIGURES:
         figure(name)

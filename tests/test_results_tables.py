@@ -113,3 +113,6 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     assert "28 of 30 (5.0%, new)" in rows["1024"]
     assert "50 (5.0%, old, older defaults)" in rows["512"] and rows["512"].endswith("| - |")
     assert rows["256"] == "| 256 | - | - | - | - |"
+    # still to serve: every empty cell, the cell of older defaults, and Quest at 1024 (3 samples of the length's 5)
+    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest@256", "quest@1024", "quest@2048",
+                                "lychee-fixed@256", "lychee-fixed@512", "lychee-fixed@1024", "lychee-fixed@2048"]
