@@ -346,7 +346,8 @@ def structured_vs_quest() -> list[str]:
     ceiling = (dense - correct(at["quest", 1024], cells)) / n * 100
     why = (f"dense itself is only {ceiling:.1f} points above Quest at 1024, so on these tasks the target asks more than "
            "dense attention answers; " if ceiling < 10 else "")
-    why += (f"Quest is {short['quest']} answers short of dense at 2048, lychee {short['lychee']} at 4096: the "
+    answers = {m: f"{k} answer{'s' * (k != 1)}" for m, k in short.items()}
+    why += (f"Quest is {answers['quest']} short of dense at 2048, lychee {answers['lychee']} at 4096: the "
             "answers Quest keeps and lychee loses (most on code return) copy single tokens that dense attention weighs "
             "alone; whole chunks ranked by their centroids miss them where Quest's per-page key bounds catch them")
     full = load(FIDELITY["16K"])["runs"]
