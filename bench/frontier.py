@@ -37,6 +37,15 @@ def committed_at(commit: str) -> int:
     return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
 
 
+def before_defaults(method: str, commit: str) -> bool:
+    """Whether a run of ``method`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
+    return method in DEFAULTS_SINCE and committed_at(commit.split(" ")[0]) < committed_at(DEFAULTS_SINCE[method])
+
+
+def per_task(run: dict) -> int:
+    return min(c["n"] for c in run["counts"].values())
+
+
 def latest(*results: list, cells: set[str], samples: int = 50) -> dict:
     """(method, budget) -> (answers over ``cells``, commit) of its latest run that scored all of them, ``samples``
     each."""
@@ -59,8 +68,7 @@ def panel(ax, points: dict, of: int, title: str) -> None:
             ax.plot([b for b, _, _ in got], [n for _, n, _ in got], marker="o", label=label)
             for b, n, c in got:
                 ax.annotate(c, (b, n), fontsize=6, textcoords="offset points", xytext=(3, -9))
-            since = committed_at(DEFAULTS_SINCE.get(method, ""))
-            old = [(b, n) for b, n, c in got if committed_at(c) < since]
+            old = [(b, n) for b, n, c in got if before_defaults(method, c)]
             if old:   # hollow: measured before the defaults last changed
                 ax.scatter(*zip(*old), s=30, color="white", edgecolors=ax.lines[-1].get_color(), zorder=3)
     ax.axhline(points["off", None][0], color="k", linestyle="--", label="dense")
@@ -102,11 +110,9 @@ def best_runs(runs: list) -> dict:
     """(method, budget) -> its run over all ten tasks with the most samples per task, of those the latest recorded."""
     out = {}
     for r in runs:
-        if len(r["counts"]) == 10:
-            n = min(c["n"] for c in r["counts"].values())
-            key = r["method"], r["budget"]
-            if key not in out or n >= min(c["n"] for c in out[key]["counts"].values()):
-                out[key] = r
+        key = r["method"], r["budget"]
+        if len(r["counts"]) == 10 and (key not in out or per_task(r) >= per_task(out[key])):
+            out[key] = r
     return out
 
 
@@ -116,22 +122,19 @@ def sweep_table(name: str) -> str:
     samples per task; lychee against Quest sample by sample where both served the same seeds."""
     runs = best_runs(load(SWEEP[name])["runs"])
     dense = runs["off", None]
-    per = min(c["n"] for c in dense["counts"].values())
-    since = committed_at(DEFAULTS_SINCE["lychee"])
+    per = per_task(dense)
 
     def cell(r):
         if r is None:
             return "-"
-        n = min(c["n"] for c in r["counts"].values())
-        commit = r["commit"].split(" ")[0]
-        old = r["method"] == "lychee" and committed_at(commit) < since
+        n, commit = per_task(r), r["commit"].split(" ")[0]
         return (f"{correct(r)}{f' of {10 * n}' if n != per else ''} ({r['kv_read']:.1%}, {commit}"
-                f"{', older defaults' if old else ''})")
+                f"{', older defaults' if before_defaults(r['method'], commit) else ''})")
 
     def versus(lychee, quest):
-        if lychee is None or quest is None or committed_at(lychee["commit"].split(" ")[0]) < since:
+        if lychee is None or quest is None or before_defaults("lychee", lychee["commit"]):
             return "-"
-        k = min(c["n"] for r in (lychee, quest) for c in r["counts"].values())   # the seeds both served
+        k = min(per_task(lychee), per_task(quest))   # the seeds both served
         q, ly = first_seeds(quest, k), first_seeds(lychee, k)
         lost, gained = paired(q, ly)
         return f"{gained} / {lost} (p {sign_test(lost, gained):.2f})"
@@ -148,12 +151,10 @@ def missing(name: str) -> list[str]:
     """The sweep's cells at ``name`` not yet served with the length's full sample count (or, for lychee, not since its
     defaults last changed), as ``bench.fidelity --methods`` words (``NAME@BUDGET``)."""
     runs = best_runs(load(SWEEP[name])["runs"])
-    per = min(c["n"] for c in runs["off", None]["counts"].values())
-    since = committed_at(DEFAULTS_SINCE["lychee"])
+    per = per_task(runs["off", None])
 
     def served(r) -> bool:
-        return (r is not None and min(c["n"] for c in r["counts"].values()) == per
-                and (r["method"] != "lychee" or committed_at(r["commit"].split(" ")[0]) >= since))
+        return r is not None and per_task(r) == per and not before_defaults(r["method"], r["commit"])
 
     return [f"{m}@{b}" for m in SWEPT for b in BUDGETS if not served(runs.get((m, b)))]
 
