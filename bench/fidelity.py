@@ -84,6 +84,23 @@ def method_arg(arg: str) -> str:
     return arg
 
 
+def dumps(obj, depth: int = 0) -> str:
+    """JSON as ``indent=1`` writes it, except that a list or dict of plain values stays on one line: a result keeps
+    per sample its failed seeds, digests and margins, which one per line made most of a 16K file's 464 KB."""
+    pad = " " * (depth + 1)
+    if isinstance(obj, dict) and any(isinstance(v, (dict, list)) for v in obj.values()):
+        inner = (f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(inner) + "\n" + " " * depth + "}"
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in obj) + "\n" + " " * depth + "]"
+    return json.dumps(obj)
+
+
+def write(obj, path: str) -> None:
+    with open(path, "w") as f:
+        f.write(dumps(obj) + "\n")
+
+
 def wilson(correct: int, n: int, z: float = 1.96) -> list[float]:
     """95% Wilson score interval of a success rate (well behaved at 0 and n, unlike the normal approximation)."""
     if n == 0:
@@ -399,8 +416,7 @@ def main():
             both = compare(json.load(f), json.load(g), a.labels)
         print(json.dumps({k: v for k, v in both.items() if k != "results"}, indent=1))
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(both, f, indent=1)
+            write(both, a.out)
         return
     if a.append:
         if not (a.commit and a.gpu and a.note):
@@ -411,8 +427,7 @@ def main():
             merged = append(new, committed, commit=a.commit, gpu=a.gpu, note=a.note)
         except ValueError as e:
             ap.error(f"--append {a.append[0]} {a.append[1]}: {e}")
-        with open(a.append[1], "w") as f:
-            json.dump(merged, f, indent=1)
+        write(merged, a.append[1])
         return
     if a.parallel > 1 and (a.device != "gpu" or a.tp_size > 1):
         ap.error("--parallel runs servers side by side on one GPU: it needs --device gpu and --tp-size 1")
@@ -427,8 +442,7 @@ def main():
 
     def save(res):
         if a.out:
-            with open(a.out, "w") as f:
-                json.dump(res, f, indent=1)
+            write(res, a.out)
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,

@@ -267,3 +267,14 @@ def test_append_labels_runs_and_refuses_other_samples():
     assert {k: merged["runs"][1][k] for k in labels} == labels
     with pytest.raises(ValueError, match=r"lengths \[16384\] against the file's \[16000\]"):
         append(result(16384, ["lychee"]), committed, commit="abc1234", gpu="GPU-1", note="why")
+
+
+def test_results_are_written_with_each_list_of_plain_values_on_one_line():
+    """bench.fidelity.dumps: the same JSON back, nested objects one key per line, a sample list on one line."""
+    from bench.fidelity import dumps
+
+    res = {"runs": [{"counts": {"passkey@300": {"failed": [1, 4], "held_by": {"0": 0.5}, "ci95": [0.1, 0.9]}}}],
+           "lengths": [300], "note": "a, b", "empty": [], "none": None}
+    text = dumps(res)
+    assert json.loads(text) == res
+    assert '     "failed": [1, 4],' in text.splitlines() and ' "empty": [],' in text.splitlines()
