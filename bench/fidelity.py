@@ -60,7 +60,13 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # selection one step ahead, beside the attention, with the step before's query
            "lychee-ahead": ("lychee", {"select_ahead": True}),
            # both: select_ahead's step-before query, fine clusters ranked by their boxes (does box win back its loss?)
-           "lychee-ahead-box-0.25": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
+           "lychee-ahead-box-0.25": ("lychee", {"select_ahead": True, "fine_bound": "box"}),
+           # Quest's pages, ranked by Quest's bound, served through lychee's pools and CUDA graphs: 16-token chunks,
+           # each its own fine cluster, ranked by its key box at weight 1 (Quest's sum_i max(q_i lo_i, q_i hi_i)),
+           # every coarse unit expanded. The same pages as quest over the prompt (tests/test_fidelity_quick.py);
+           # tokens decoded past the recent window join the nearest box instead of pages of their own
+           "quest-graphs": ("lychee", {"chunking": "fixed", "fine_bound": "box", "radius_weight": 1.0,
+                                       "coarse_expand": 1024.0})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",

@@ -278,3 +278,35 @@ def test_results_are_written_with_each_list_of_plain_values_on_one_line():
     text = dumps(res)
     assert json.loads(text) == res
     assert '     "failed": [1, 4],' in text.splitlines() and ' "empty": [],' in text.splitlines()
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+@pytest.mark.parametrize("budget", [16, 160, 1000])
+def test_quest_graphs_selects_the_pages_quest_selects(reduce, budget):
+    """bench.fidelity's quest-graphs (lychee's config that serves Quest through the pools and CUDA graphs): over
+    16-token chunks its index ranks every chunk by Quest's bound on the chunk's key box, so it selects the pages
+    Quest selects from the same (stored) key bounds, at any budget and GQA reduction."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.fidelity import METHODS
+    from sgl_sparsekv.config import SparseKVConfig
+    from sgl_sparsekv.index import build_index
+    from sgl_sparsekv.select import select_chunks, select_pages
+
+    method, extra = METHODS["quest-graphs"]
+    cfg = SparseKVConfig.from_method(method, extra)
+    gen = torch.Generator().manual_seed(budget)
+    H, M, d, G, page = 2, 200, 32, 4, SparseKVConfig.from_method("quest").page_size
+    assert cfg.chunking == "fixed" and cfg.chunk_max == page
+    toks = torch.randn(H, M, page, d, generator=gen) + 2 * torch.randn(H, M, 1, d, generator=gen)
+    boxes = torch.stack([toks.amin(2), toks.amax(2)], 2)                           # [H, M, 2, d] lo, hi
+    ix = build_index(F.normalize(toks.mean(2), dim=-1), torch.full((M,), page), cfg.fine_cluster_size,
+                     cfg.max_coarse, cfg.kmeans_iters, boxes)
+    # Quest reads the bounds the pools store (the box rounded outward to bf16), page by page in chunk order
+    box = ix.fine_box.gather(1, ix.chunk_fine[..., None, None].expand(-1, -1, 2, d))
+    lo, hi = box[..., 0, :] - box[..., 1, :], box[..., 0, :] + box[..., 1, :]
+    q = torch.randn(H, G, d, generator=gen)
+    ours = select_chunks(ix, q, budget, cfg.coarse_expand, reduce, cfg.radius_weight)
+    assert torch.equal(ours, select_pages(q, lo, hi, budget, page, reduce))
+    assert ours.sum(1).tolist() == [budget // page] * H
