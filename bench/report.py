@@ -766,6 +766,7 @@ def main(argv=None):
                      ("attention_recall_qwen_code_return_fine1_rankings_16k.json", recall_table),
                      ("passkey_smollm2.json", passkey_table), ("fidelity_smollm2.json", fidelity_table),
                      ("fidelity_smollm2_4k_cpu.json", fidelity_table),
+                     ("fidelity_smollm2_quest_graphs_cpu.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_8k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k.json", fidelity_table),
                      ("fidelity_qwen2.5-coder-0.5b_3k_8samples.json", fidelity_table),
