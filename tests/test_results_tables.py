@@ -133,7 +133,8 @@ def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_
     runs = [run("off", "d1"), run("lychee", "a", range(6)), run("off", "b"), run("lychee", "b", range(5))]
     monkeypatch.setattr(tg, "load", lambda name: {"runs": runs})
     verdict = tg.near_dense("16K")[2]
-    assert verdict.startswith("at the edge: **met** (t0 45 against 50 (5 lost, 0 gained, sign test p 0.06)) in this run")
+    assert verdict.startswith("at the edge: **met** (t0 45 against 50 (5 lost, 0 gained, sign test p 0.06)) in "
+                              "this run")
     assert verdict.endswith("missed: t0 44 against 50 (6 lost, 0 gained, sign test p 0.03)")
     runs[1] = run("lychee", "a", range(5))
     assert tg.near_dense("16K")[2] == "**met**"
