@@ -13,9 +13,9 @@ import functools
 import subprocess
 import sys
 
-from bench.fidelity import paired, sign_test
+from bench.fidelity import sign_test
 from bench.report import md_table
-from bench.targets import FIDELITY, FIDELITY_8K, STRUCTURED_BUDGETS, correct, first_seeds, load
+from bench.targets import FIDELITY, FIDELITY_8K, STRUCTURED_BUDGETS, correct, load, paired_on_shared_seeds
 from bench.tasks import STRUCTURED
 
 # name -> (prompt length, samples per task, the result files (the first holds every task), the figure)
@@ -134,9 +134,7 @@ def sweep_table(name: str) -> str:
     def versus(lychee, quest):
         if lychee is None or quest is None or before_defaults("lychee", lychee["commit"]):
             return "-"
-        k = min(per_task(lychee), per_task(quest))   # the seeds both served
-        q, ly = first_seeds(quest, k), first_seeds(lychee, k)
-        lost, gained = paired(q, ly)
+        lost, gained = paired_on_shared_seeds(quest, lychee)
         return f"{gained} / {lost} (p {sign_test(lost, gained):.2f})"
 
     rows = [[b, *(cell(runs.get((m, b))) for m in SWEPT), versus(runs.get(("lychee", b)), runs.get(("quest", b)))]

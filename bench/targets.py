@@ -308,16 +308,22 @@ def first_seeds(run: dict, k: int) -> dict:
             for cell, c in run["counts"].items()}
 
 
+def paired_on_shared_seeds(a: dict, b: dict) -> tuple[int, int]:
+    """``paired`` of two runs over the seeds both served (the shorter run's), whatever their sample counts."""
+    k = min(c["n"] for r in (a, b) for c in r["counts"].values())
+    return paired(first_seeds(a, k), first_seeds(b, k))
+
+
 def at_30k_vs_quest() -> str:
     """The 30K file's Quest run (seeds 0-29) beside dense and the default on those seeds."""
     runs = load(FIDELITY["30K"])["runs"]
     quest = [r for r in runs if r["method"] == "quest" and r["budget"] == 1024][-1]
     k = quest["samples"]
-    dense, lychee = (first_seeds(latest_run(runs, m, b), k) for m, b in (("off", None), ("lychee", 1024)))
+    dense, lychee = (latest_run(runs, m, b) for m, b in (("off", None), ("lychee", 1024)))
     cells = {c for c in quest["counts"] if c.split("@")[0] in STRUCTURED}
     got = {name: (correct({"counts": c}, cells), correct({"counts": c})) for name, c in
-           (("lychee", lychee), ("Quest", quest["counts"]), ("dense", dense))}
-    lost, gained = paired(quest["counts"], lychee)
+           (("lychee", first_seeds(lychee, k)), ("Quest", quest["counts"]), ("dense", first_seeds(dense, k)))}
+    lost, gained = paired_on_shared_seeds(quest, lychee)
     return (f"30K, {k} samples per task (the seeds of the Quest run, {quest['commit']}): structured "
             + ", ".join(f"{name} {s}" for name, (s, _) in got.items()) + f" of {k * len(cells)}; all ten tasks "
             + ", ".join(f"{name} {a}" for name, (_, a) in got.items())
