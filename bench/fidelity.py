@@ -27,7 +27,7 @@ import math
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from bench.server import CPU_ARGS, Lineup, Server, alongside
 from bench.tasks import RULER, STRUCTURED, TASKS, make
@@ -137,9 +137,11 @@ def held_by(sample, choice: dict) -> float | None:
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
-        first: int = 0, parallel: int = 1) -> dict:
+        first: int = 0, parallel: int = 1, deadline: float | None = None) -> dict:
     """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task; ``save(res)``
-    is called after each, so a long run keeps what it finished.
+    is called after each, so a long run keeps what it finished. At ``deadline`` (a ``time.time()``) no more samples
+    are sent: each run keeps the seeds every task finished (``first`` .. ``first + kept - 1``), its ``samples``
+    saying how many, so a device call cut short still returns what it served and ``extend`` can add the rest.
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
     ``tp_size``: tensor parallelism on the GPU. ``parallel``: servers at work at once on the one GPU, each with
     its KV pool capped (``bench.server.alongside``). Each answer's digest is kept, so two runs of the same samples
@@ -172,14 +174,23 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
             servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
 
-    def score(name, budget, srv, pool) -> dict:
+    def score(name, budget, srv, pool) -> dict | None:
         scores, counts = {}, {}
-        # every cell's samples in one queue, so the batch stays full where a task's last samples finish
-        answers = pool.map(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
-                           [s for t in tasks for n in lengths for s in data[t][n]])
+        # every cell's samples in one queue, so the batch stays full where a task's last samples finish; seed by seed,
+        # so at the deadline the finished samples are the first seeds of every cell
+        asked = {(t, n, i): pool.submit(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
+                                        data[t][n][i])
+                 for i in range(samples) for t in tasks for n in lengths}
+        if deadline is not None:
+            wait(asked.values(), timeout=max(0.0, deadline - time.time()))
+            for f in asked.values():
+                f.cancel()   # those not sent yet; the requests in flight finish
+        kept = next((i for i in range(samples) for t in tasks for n in lengths if asked[t, n, i].cancelled()), samples)
+        if kept == 0:
+            return None
         for t in tasks:
             for n in lengths:
-                got = [next(answers) for _ in data[t][n]]
+                got = [asked[t, n, i].result() for i in range(kept)]
                 texts = [c["text"] for c in got]
                 done = [s.score(text) for s, text in zip(data[t][n], texts)]
                 k = sum(done)
@@ -195,9 +206,12 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         return {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
                 **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                    if stats.get("scored_tokens") else {}),
-                "cuda_graph": bool(gpu_backend) and not eager[name, budget]}
+                "cuda_graph": bool(gpu_backend) and not eager[name, budget],
+                **({"samples": kept} if kept < samples else {})}
 
-    def record(run_: dict, seconds: float) -> None:
+    def record(run_: dict | None, seconds: float) -> None:
+        if run_ is None:
+            return   # the deadline came before it finished one seed of every task
         run_["seconds"] = round(seconds, 1)
         res["runs"].append(summarize(run_))
         res["runs"].sort(key=lambda r: order.index((r["method"], r["budget"])))   # alongside: as they end
@@ -209,6 +223,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     if parallel > 1:
         def work(key, srv):
             t0 = time.time()
+            if deadline is not None and t0 >= deadline:
+                return None, 0.0
             with ThreadPoolExecutor(concurrency) as pool:
                 return score(*key, srv, pool), time.time() - t0 + srv.ready_s   # its start included, as below
 
@@ -221,6 +237,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     with Lineup(servers, ahead=0 if gpu_backend else 1) as lineup:
         for name, budget in servers:
             t0 = time.time()
+            if deadline is not None and t0 >= deadline:
+                break
             # the pool closes last: stopped mid-run (SIGTERM), the server goes first and the requests in flight
             # fail at once, instead of the pool waiting out their timeouts before the server is stopped
             with ThreadPoolExecutor(concurrency) as pool, lineup.take((name, budget)) as srv:
@@ -273,8 +291,8 @@ def append(new: dict, committed: dict, **fields) -> dict:
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
-    runs = [{**run, "device": new["device"], "samples": new["samples"], "tasks": new["tasks"], **fields}
-            for run in new["runs"]]
+    runs = [{**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
+             **fields} for run in new["runs"]]
     return {**committed, "runs": committed["runs"] + runs}
 
 
@@ -395,6 +413,8 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5, help="samples per task and length (10 tasks: 50 is 500 in all)")
     ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
+    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                    help="after this long, send no more samples: each run keeps the seeds every task finished")
     ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 1K tokens, 3 tasks")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
@@ -452,7 +472,8 @@ def main():
 
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
-              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel)
+              cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel,
+              deadline=a.deadline and time.time() + a.deadline)
     if a.plot:
         plot(res, a.plot)
 

@@ -7,7 +7,8 @@
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
-#    model's parts to /tmp/gpu-model;
+#    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
+#    before it: each run keeps the seeds every task finished, where a run the call's limit cuts returns nothing;
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
 #    `python -m bench.fidelity --append RESULT FILE --commit --gpu --note` refuses to add to them)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;
@@ -46,9 +47,10 @@ case "$1" in
     model=${MODEL:-qwen2.5-coder-0.5b}
     [ -d "/tmp/$model" ] || python3 .gpu-bundle/model_on_gpu.py "$model" "/tmp/$model" > /dev/null
     # shellcheck disable=SC2086  # METHODS is a word list
-    timeout 580 python3 -m bench.fidelity --device gpu --model "$model" --model-dir "/tmp/$model" \
+    left=$(( ${CALL_S:-600} - SECONDS ))   # SECONDS: since this script started, the model's conversion included
+    timeout $(( left - 15 )) python3 -m bench.fidelity --device gpu --model "$model" --model-dir "/tmp/$model" \
       --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
-      "$@" 2>&1 | tail -30 ;;
+      --deadline $(( left - 60 )) "$@" 2>&1 | tail -30 ;;
   *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
           "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS]" >&2
      exit 2 ;;

@@ -4,6 +4,7 @@ the sparse ones really read a fraction of the KV."""
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,6 +170,45 @@ def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch,
                                               "seconds": res["runs"][0]["seconds"], "cuda_graph": False}
     assert counts["passkey@300"]["held_by"] == {"0": 1.0, "2": 3.0}
     assert counts["niah_single@300"]["held_by"] == {"1": 2.0}
+
+
+def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, smollm2_tokenizer):
+    """At the deadline no more samples are sent: the run keeps the first seeds every task answered (the requests in
+    flight then finish), says how many, and the next server is not started."""
+    from bench import fidelity
+    from bench.tasks import make
+
+    asked = {make(t, smollm2_tokenizer, 300, seed).prompt: seed for t in ("passkey", "niah_single") for seed in range(5)}
+    started = []
+
+    class FakeServer:
+        def __init__(self, model_dir, method, cfg, **kwargs):
+            started.append(method)
+            self.proc = object()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def complete(self, prompt, max_tokens, logprobs=None):
+            if asked[prompt] >= 2:
+                time.sleep(3.0)   # seed 2 of both tasks is in flight (concurrency 2) when the deadline comes
+            return {"choices": [{"text": " no idea", "logprobs": {"tokens": [], "top_logprobs": []}}]}
+
+        def stats(self):
+            return {}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    t0 = time.time()
+    res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee"], [256], ["passkey", "niah_single"], [300], 5,
+                       concurrency=2, deadline=time.time() + 1.0)
+    assert time.time() - t0 < 6.0   # seeds 3 and 4 were never sent
+    assert [r["method"] for r in res["runs"]] == ["off"] and res["runs"][0]["samples"] == 3
+    assert {c["n"] for c in res["runs"][0]["counts"].values()} == {3}
+    assert res["runs"][0]["counts"]["passkey@300"]["failed"] == [0, 1, 2]
+    assert fidelity.append(res, {**res, "runs": []}, commit="c", gpu="g", note="n")["runs"][0]["samples"] == 3
 
 
 def test_methods_name_whole_sweeps_or_single_cells(monkeypatch, smollm2_dir):
