@@ -89,7 +89,8 @@ def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_t
 def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(monkeypatch):
     """bench.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
     ones the later recorded); lychee against Quest counted on the seeds both served, and left out for a lychee run
-    of older defaults."""
+    of older defaults; quest-graphs stands in for Quest where Quest has no run, and is set beside it where both
+    served the same seeds."""
     import bench.frontier as fr
 
     tasks = [f"t{i}@8000" for i in range(10)]
@@ -101,7 +102,8 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
 
     runs = [run("off", None, "new", 5), run("lychee", 1024, "new", 5, failed=[4]), run("lychee", 1024, "newer", 3),
             run("lychee", 1024, "newest", 5, failed=[0]), run("quest", 1024, "new", 3, failed=[1, 2]),
-            run("lychee", 512, "old", 5), run("quest", 512, "new", 5, failed=[1])]
+            run("lychee", 512, "old", 5), run("quest", 512, "new", 5, failed=[1]),
+            run("quest-graphs", 512, "new", 5, failed=[1, 3]), run("quest-graphs", 2048, "new", 5)]
     best = fr.best_runs(runs)
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
@@ -112,9 +114,13 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     assert rows["1024"].endswith("| 2 / 1 (p 1.00) |") and "49 (5.0%, newest)" in rows["1024"]
     assert "28 of 30 (5.0%, new)" in rows["1024"]
     assert "50 (5.0%, old, older defaults)" in rows["512"] and rows["512"].endswith("| - |")
+    assert "| 49 (5.0%, new) |" in rows["512"]   # eager Quest's own run, not its stand-in's
+    assert "| 50 (5.0%, new, `quest-graphs`) |" in rows["2048"]
+    assert "`quest-graphs` beside eager Quest: at 512 48 against 49 (0 gained, 1 lost);" in lines[0]
     assert rows["256"] == "| 256 | - | - | - | - |"
-    # still to serve: every empty cell, the cell of older defaults, and Quest at 1024 (3 samples of the length's 5)
-    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest@256", "quest@1024", "quest@2048",
+    # still to serve: every empty cell, the cell of older defaults, and Quest at 1024 (3 samples of the length's 5),
+    # Quest's through its stand-in
+    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest-graphs@256", "quest-graphs@1024",
                                 "lychee-fixed@256", "lychee-fixed@512", "lychee-fixed@1024", "lychee-fixed@2048"]
 
 
