@@ -6,7 +6,8 @@
         --samples 50 --concurrency 32 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
     python -m bench.fidelity --append /work/.device/N/fidelity.json \
         bench/results/fidelity_qwen2.5-coder-0.5b_16k_gpu.json --commit C --gpu GPU-xxxxxxxx --note "..."
-        # that call's runs into the committed file (refused at another length: other samples)
+        # that call's runs into the committed file (refused at another length: other samples); a call with --first K
+        # (the rest of runs a --deadline cut at K seeds) is joined to the file's runs over seeds 0 .. K-1
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
@@ -287,13 +288,32 @@ def append(new: dict, committed: dict, **fields) -> dict:
     """``committed`` with ``new``'s runs (a device call's result) added, each labelled with its device, tasks, sample
     count and ``fields`` (commit, gpu, note). Refused unless both hold the same model and lengths: the runs of a file
     are compared sample by sample against its dense run, so another length (16384 in a 16000 file: the same seeds,
-    other samples) would be paired with samples it never saw."""
+    other samples) would be paired with samples it never saw. A result that starts past seed 0 (``--first``, say the
+    rest of a run a deadline cut) is joined (``extend``) to the file's latest run of each (method, budget) whose seeds
+    end where it starts; that run stays, and the joined one is added after it."""
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
     runs = [{**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
              **fields} for run in new["runs"]]
+    if first := new.get("first_seed", 0):
+        runs = [joined(committed["runs"], run, first) for run in runs]
     return {**committed, "runs": committed["runs"] + runs}
+
+
+def joined(runs: list, later: dict, first: int) -> dict:
+    """``later`` (seeds from ``first`` on) joined to the latest of ``runs`` of its (method, budget) over seeds
+    0 .. first - 1, labelled with both runs' commits, cards and devices where they differ."""
+    before = [r for r in runs if run_key(r) == run_key(later) and r.get("samples") == first
+              and r["counts"].keys() == later["counts"].keys()]
+    if not before:
+        raise ValueError(f"{run_key(later)} starts at seed {first}: the file has no run of it over seeds 0-{first - 1}")
+    earlier = before[-1]
+    both = extend(earlier, later)
+    for key in ("commit", "gpu", "device"):
+        if key in earlier and earlier[key] != later.get(key):
+            both[key] = f"{earlier[key]} + {later[key]}"
+    return {**both, "note": f"seeds 0-{first - 1} from the run of {earlier['commit']}; the rest: {later.get('note')}"}
 
 
 def discordant(dense: dict, counts: dict):

@@ -309,6 +309,30 @@ def test_append_labels_runs_and_refuses_other_samples():
         append(result(16384, ["lychee"]), committed, commit="abc1234", gpu="GPU-1", note="why")
 
 
+def test_append_joins_a_result_that_starts_past_seed_zero_to_the_run_it_continues():
+    """The rest of a run a deadline cut (``--first 2``) is joined to the file's run over seeds 0-1, which stays; with
+    no such run it is refused rather than paired with the dense run's first seeds."""
+    from bench.fidelity import append
+
+    def run(seeds, failed, **labels):
+        return {"method": "lychee", "budget": 1024, "kv_read": 0.06, "seconds": 10.0, "scores": {}, **labels,
+                "counts": {"passkey@16000": {"correct": len(seeds) - len(failed), "n": len(seeds), "ci95": [0, 1],
+                                             "failed": failed, "digests": [str(s) for s in seeds]}}}
+
+    cut = run(range(2), [1], commit="aaa", gpu="GPU-1", device="H200", samples=2, note="cut")
+    committed = {"model": "m", "lengths": [16000], "runs": [cut]}
+    rest = {"model": "m", "lengths": [16000], "device": "H200", "samples": 3, "first_seed": 2, "tasks": ["passkey"],
+            "runs": [run(range(2, 5), [3])]}
+    merged = append(rest, committed, commit="bbb", gpu="GPU-2", note="the rest")
+    assert merged["runs"][0] is cut and len(merged["runs"]) == 2
+    both = merged["runs"][1]
+    assert both["counts"]["passkey@16000"]["failed"] == [1, 3] and both["samples"] == 5
+    assert (both["commit"], both["gpu"], both["device"]) == ("aaa + bbb", "GPU-1 + GPU-2", "H200")
+    assert both["note"] == "seeds 0-1 from the run of aaa; the rest: the rest"
+    with pytest.raises(ValueError, match="no run of it over seeds 0-2"):
+        append({**rest, "first_seed": 3}, committed, commit="bbb", gpu="GPU-2", note="the rest")
+
+
 def test_results_are_written_with_each_list_of_plain_values_on_one_line():
     """bench.fidelity.dumps: the same JSON back, nested objects one key per line, a sample list on one line."""
     from bench.fidelity import dumps
