@@ -23,7 +23,8 @@ FIGURES = {"16K": (16000, 50, [FIDELITY["16K"], STRUCTURED_BUDGETS], "fidelity_q
            "8K": (8000, 20, [FIDELITY_8K], "fidelity_qwen2.5-coder-0.5b_8k_frontier.png")}
 # the options as the README names them, by the names bench.fidelity gives their runs
 OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
-           "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest", "quest-graphs": "Quest in CUDA graphs (quest-graphs)",
+           "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest",
+           "quest-graphs": "Quest in CUDA graphs (quest-graphs)",
            "lychee-fixed": "fixed 16-token chunks"}
 
 # the commit that last changed lychee's defaults (coarse_expand 32): a run of the default before it measured other

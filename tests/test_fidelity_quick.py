@@ -178,7 +178,8 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
     from bench import fidelity
     from bench.tasks import make
 
-    asked = {make(t, smollm2_tokenizer, 300, seed).prompt: seed for t in ("passkey", "niah_single") for seed in range(5)}
+    asked = {make(t, smollm2_tokenizer, 300, seed).prompt: seed
+             for t in ("passkey", "niah_single") for seed in range(5)}
     started = []
 
     class FakeServer:
