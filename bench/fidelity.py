@@ -224,15 +224,13 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     if parallel > 1:
         def work(key, srv):
             t0 = time.time()
-            if deadline is not None and t0 >= deadline:
-                return None, 0.0
             with ThreadPoolExecutor(concurrency) as pool:
                 return score(*key, srv, pool), time.time() - t0 + srv.ready_s   # its start included, as below
 
         # the eager servers first (quest), so the last wave is not one of them alone: at 16K a quest run took 160-206 s
         # where lychee's took 102-108 (fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json)
         first_eager = dict(sorted(servers.items(), key=lambda item: not eager[item[0]]))
-        for _, (run_, seconds) in alongside(first_eager, work, parallel):
+        for _, (run_, seconds) in alongside(first_eager, work, parallel, until=deadline):
             record(run_, seconds)
         return res
     with Lineup(servers, ahead=0 if gpu_backend else 1) as lineup:

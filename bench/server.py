@@ -131,17 +131,20 @@ class Lineup:
         self.waiting.clear()
 
 
-def alongside(servers: dict, work, k: int):
+def alongside(servers: dict, work, k: int, until: float | None = None):
     """Yields ``(key, work(key, srv))`` for each server as its work ends, ``k`` servers starting or at work at once,
     each on a thread of its own. For servers side by side on one GPU: SGLang sizes a server's KV pool from the
     memory free when it starts, so each must cap its pool (``--max-total-tokens``), else the first takes the memory
-    the others need. A failure, or SIGTERM, stops every server and starts no more."""
+    the others need. A failure, or SIGTERM, stops every server and starts no more. A server whose turn comes at
+    ``until`` (a ``time.time()``) or later is not started and yields nothing."""
     stopping = threading.Event()
 
     def one(key):
         srv = servers[key]
         if stopping.is_set():
             raise RuntimeError("stopped before its start")
+        if until is not None and time.time() >= until:
+            return None
         try:
             srv.__enter__()
             return key, work(key, srv)
@@ -157,7 +160,8 @@ def alongside(servers: dict, work, k: int):
     futures = [pool.submit(one, key) for key in servers]
     try:
         for done in as_completed(futures):
-            yield done.result()
+            if (got := done.result()) is not None:
+                yield got
     finally:
         stopping.set()
         pool.shutdown(wait=False, cancel_futures=True)

@@ -256,6 +256,24 @@ def test_alongside_keeps_k_servers_at_work(tmp_path):
     assert all(s.proc is None for s in servers.values()) and not any(alive(pid) for _, pid in got.values())
 
 
+def test_alongside_starts_no_server_whose_turn_comes_after_until(tmp_path):
+    """A fidelity deadline: the servers whose turn comes after it are not started, and only the work done comes
+    back."""
+    from bench.server import alongside
+
+    servers = _fake_servers(tmp_path, "abc", 0.2)
+    until = time.time() + 1.0
+    started = []
+
+    def work(key, srv):
+        started.append(key)
+        time.sleep(max(0.0, until - time.time()) + 0.1)   # a works past the deadline
+        return key
+
+    assert dict(alongside(servers, work, 1, until=until)) == {"a": "a"}
+    assert started == ["a"] and all(s.proc is None for s in servers.values())
+
+
 def test_alongside_stops_every_server_when_one_fails(tmp_path):
     """A failure in one server's work stops the servers at work beside it and starts none of those waiting."""
     import pytest
