@@ -491,7 +491,7 @@ def main():
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
               cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel,
-              deadline=a.deadline and time.time() + a.deadline)
+              deadline=None if a.deadline is None else time.time() + a.deadline)
     if a.plot:
         plot(res, a.plot)
 
