@@ -264,6 +264,11 @@ def summarize(run_: dict) -> dict:
     return run_
 
 
+def per_task(run: dict) -> int:
+    """A run's samples per task and length (its smallest cell's)."""
+    return min(c["n"] for c in run["counts"].values())
+
+
 def extend(a: dict, b: dict) -> dict:
     """One run of a (method, budget) from two runs of it over consecutive seeds (``b``'s first seed is where ``a``'s
     samples end): counts, failed seeds and digests joined per cell, scores and intervals recomputed."""
@@ -276,7 +281,7 @@ def extend(a: dict, b: dict) -> dict:
                         "digests": x["digests"] + y["digests"],
                         **({"held_by": x["held_by"] | y["held_by"]} if "held_by" in x and "held_by" in y else {})}
     scores = {cell: c["correct"] / c["n"] for cell, c in counts.items()}
-    na, nb = (next(iter(r["counts"].values()))["n"] for r in (a, b))   # samples per cell
+    na, nb = per_task(a), per_task(b)
     kv = (a["kv_read"] * na + b["kv_read"] * nb) / (na + nb)
     return summarize({**a, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
                       "seconds": round(a["seconds"] + b["seconds"], 1), "samples": na + nb})

@@ -13,7 +13,7 @@ import functools
 import subprocess
 import sys
 
-from bench.fidelity import shared, sign_test
+from bench.fidelity import per_task, shared, sign_test
 from bench.report import md_table
 from bench.targets import FIDELITY, FIDELITY_8K, STRUCTURED_BUDGETS, correct, load, paired_on_shared_seeds
 from bench.tasks import STRUCTURED
@@ -42,10 +42,6 @@ def committed_at(commit: str) -> int:
 def before_defaults(method: str, commit: str) -> bool:
     """Whether a run of ``method`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
     return method in DEFAULTS_SINCE and committed_at(commit.split(" ")[0]) < committed_at(DEFAULTS_SINCE[method])
-
-
-def per_task(run: dict) -> int:
-    return min(c["n"] for c in run["counts"].values())
 
 
 def latest(*results: list, cells: set[str], samples: int = 50) -> dict:

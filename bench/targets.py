@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from bench.fidelity import paired, sign_test
+from bench.fidelity import paired, per_task, sign_test
 from bench.report import RESULTS, md_table, shared_prefix_ceiling
 from bench.tasks import STRUCTURED
 
@@ -310,7 +310,7 @@ def first_seeds(run: dict, k: int) -> dict:
 
 def paired_on_shared_seeds(a: dict, b: dict) -> tuple[int, int]:
     """``paired`` of two runs over the seeds both served (the shorter run's), whatever their sample counts."""
-    k = min(c["n"] for r in (a, b) for c in r["counts"].values())
+    k = min(per_task(a), per_task(b))
     return paired(first_seeds(a, k), first_seeds(b, k))
 
 
