@@ -179,9 +179,10 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         scores, counts = {}, {}
         # every cell's samples in one queue, so the batch stays full where a task's last samples finish; seed by seed,
         # so at the deadline the finished samples are the first seeds of every cell
-        asked = {(t, n, i): pool.submit(lambda s: srv.complete(s.prompt, max_tokens, logprobs=2)["choices"][0],
-                                        data[t][n][i])
-                 for i in range(samples) for t in tasks for n in lengths}
+        def ask(sample):
+            return srv.complete(sample.prompt, max_tokens, logprobs=2)["choices"][0]
+
+        asked = {(t, n, i): pool.submit(ask, data[t][n][i]) for i in range(samples) for t in tasks for n in lengths}
         if deadline is not None:
             wait(asked.values(), timeout=max(0.0, deadline - time.time()))
             for f in asked.values():
