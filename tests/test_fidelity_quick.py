@@ -130,6 +130,23 @@ def test_extend_joins_two_runs_over_consecutive_seeds():
         extend(a, {**b, "method": "off"})
 
 
+class StartedServer:
+    """bench.fidelity's Server, faked: already started (``proc`` set, so Lineup launches nothing), no counters."""
+    proc = object()
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def stats(self):
+        return {}
+
+
 def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch, smollm2_dir, smollm2_tokenizer):
     """bench.fidelity.run with a fake server that answers right on chosen (task, seed): each cell gets its own
     samples' answers back, though all of them were asked in one queue, several in flight."""
@@ -140,25 +157,13 @@ def test_run_scores_each_cell_from_one_queue_of_every_cells_samples(monkeypatch,
     asked = {make(t, smollm2_tokenizer, 300, seed).prompt: (t, seed) for t in ("passkey", "niah_single")
              for seed in range(3)}
 
-    class FakeServer:
-        def __init__(self, *args, **kwargs):
-            self.proc = object()   # started: Lineup launches nothing
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
+    class FakeServer(StartedServer):
         def complete(self, prompt, max_tokens, logprobs=None):
             task, seed = asked[prompt]
             sample = make(task, smollm2_tokenizer, 300, seed)
             text = " ".join(sample.expected) if (task, seed) in right else " no idea"
             top = {"a": -0.1, "b": -0.1 - (seed + 1)}   # a gap of seed + 1 at every token
             return {"choices": [{"text": text, "logprobs": {"tokens": [text], "top_logprobs": [top]}}]}
-
-        def stats(self):
-            return {}
 
     monkeypatch.setattr(fidelity, "Server", FakeServer)
     res = fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey", "niah_single"], [300], 3,
@@ -182,24 +187,14 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
              for t in ("passkey", "niah_single") for seed in range(5)}
     started = []
 
-    class FakeServer:
+    class FakeServer(StartedServer):
         def __init__(self, model_dir, method, cfg, **kwargs):
             started.append(method)
-            self.proc = object()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
 
         def complete(self, prompt, max_tokens, logprobs=None):
             if asked[prompt] >= 2:
                 time.sleep(3.0)   # seed 2 of both tasks is in flight (concurrency 2) when the deadline comes
             return {"choices": [{"text": " no idea", "logprobs": {"tokens": [], "top_logprobs": []}}]}
-
-        def stats(self):
-            return {}
 
     monkeypatch.setattr(fidelity, "Server", FakeServer)
     t0 = time.time()
@@ -219,19 +214,9 @@ def test_methods_name_whole_sweeps_or_single_cells(monkeypatch, smollm2_dir):
 
     started = []
 
-    class FakeServer:
+    class FakeServer(StartedServer):
         def __init__(self, model_dir, method, cfg, **kwargs):
             started.append((method, cfg and cfg["token_budget"], cfg and cfg.get("chunking")))
-            self.proc = object()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def stats(self):
-            return {}
 
     monkeypatch.setattr(fidelity, "Server", FakeServer)
     res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee-fixed@512", "lychee"], [256, 1024], [], [300], 1)
