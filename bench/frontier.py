@@ -2,7 +2,7 @@
 results: every ten-task run at its latest commit, and the four structured tasks beside (at 16K with the structured
 budget sweep's runs too: the same seeded samples, one dense run for both files).
 
-    python -m bench.frontier            # bench/results/fidelity_qwen2.5-coder-0.5b_{16k,8k}_frontier.png
+    python -m bench.frontier            # bench/results/fidelity_qwen2.5-coder-0.5b_{16k,8k,30k}_frontier.png
     python -m bench.frontier --tables   # the budget sweep's tables at 8K, 16K and 30K (the README's, generated)
     python -m bench.frontier --missing 16K   # its cells still to serve there, as bench.fidelity --methods words
 """
@@ -15,12 +15,14 @@ import sys
 
 from bench.fidelity import per_task, shared, sign_test
 from bench.report import md_table
-from bench.targets import FIDELITY, FIDELITY_8K, STRUCTURED_BUDGETS, correct, load, paired_on_shared_seeds
+from bench.targets import (FIDELITY, FIDELITY_8K, STAND_IN, STRUCTURED_BUDGETS, correct, first_seeds, load,
+                           paired_on_shared_seeds)
 from bench.tasks import STRUCTURED
 
 # name -> (prompt length, samples per task, the result files (the first holds every task), the figure)
 FIGURES = {"16K": (16000, 50, [FIDELITY["16K"], STRUCTURED_BUDGETS], "fidelity_qwen2.5-coder-0.5b_16k_frontier.png"),
-           "8K": (8000, 20, [FIDELITY_8K], "fidelity_qwen2.5-coder-0.5b_8k_frontier.png")}
+           "8K": (8000, 20, [FIDELITY_8K], "fidelity_qwen2.5-coder-0.5b_8k_frontier.png"),
+           "30K": (30000, 50, [FIDELITY["30K"]], "fidelity_qwen2.5-coder-0.5b_30k_frontier.png")}
 # the options as the README names them, by the names bench.fidelity gives their runs
 OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
            "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest",
@@ -86,11 +88,11 @@ def figure(name: str) -> None:
     results = [load(f)["runs"] for f in files]
     every = set(results[0][0]["counts"])
     structured = {f"{t}@{length}" for t in STRUCTURED}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
     panel(axes[0], latest(results[0], cells=every, samples=samples), samples * len(every), "all ten tasks")
     panel(axes[1], latest(*reversed(results), cells=structured, samples=samples), samples * len(structured),
           "the four structured tasks (JSON, YAML, code)")
-    axes[1].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))   # beside: no point hidden
     cards = " or ".join(sorted({r["device"].removeprefix("NVIDIA ") for runs in results for r in runs}))
     fig.suptitle(f"Qwen2.5-Coder-0.5B at {name}, one {cards} per run, {samples} samples per task: each point "
                  "the latest run of its (option, budget), labelled with its commit;\nhollow: the default's runs "
@@ -102,27 +104,28 @@ def figure(name: str) -> None:
 SWEEP = {"8K": FIDELITY_8K, "16K": FIDELITY["16K"], "30K": FIDELITY["30K"]}
 SWEPT = {"lychee": "lychee", "quest": "Quest", "lychee-fixed": "fixed 16-token chunks"}
 BUDGETS = (256, 512, 1024, 2048)
-# Quest's pages and bound served through lychee's pools in CUDA graphs (bench.fidelity's quest-graphs): where a cell
-# has no run of eager Quest this stands in, in a graph server's time; the table says where the two ran side by side
-STAND_IN = {"quest": "quest-graphs"}
 
 
 def swept(runs: dict, method: str, budget: int) -> dict | None:
-    """The sweep's run of (method, budget): its own, else its stand-in's."""
-    return runs.get((method, budget)) or runs.get((STAND_IN.get(method), budget))
+    """The sweep's run of (method, budget): its own, or its stand-in's where that one served more seeds."""
+    both = [r for r in (runs.get((method, budget)), runs.get((STAND_IN.get(method), budget))) if r]
+    return max(both, key=per_task, default=None)   # the first of equals: the method's own
 
 
 def stand_in_check(runs: dict) -> str:
-    """Each stand-in beside its method where both served the same seeds: answers, paired, answer texts alike."""
+    """Each stand-in beside its method on the seeds both served: answers, paired, answer texts alike."""
     said = []
     for method, other in STAND_IN.items():
         for b in BUDGETS:
             a, o = runs.get((method, b)), runs.get((other, b))
-            if a and o and per_task(a) == per_task(o):
+            if a and o:
+                k = min(per_task(a), per_task(o))
+                seeds = f" (seeds 0-{k - 1})" if per_task(a) != per_task(o) else ""
                 lost, gained = paired_on_shared_seeds(a, o)
-                same = shared(a["counts"], o["counts"])
+                same = shared(a["counts"], o["counts"])   # zipped: the shorter run's seeds
                 texts = f", {same['same']} of {same['of']} answer texts alike" if same["of"] else ""
-                said.append(f"at {b} {correct(o)} against {correct(a)} ({gained} gained, {lost} lost{texts})")
+                said.append(f"at {b}{seeds} {correct({'counts': first_seeds(o, k)})} against "
+                            f"{correct({'counts': first_seeds(a, k)})} ({gained} gained, {lost} lost{texts})")
     return f"; `{STAND_IN['quest']}` beside eager Quest: {', '.join(said)}" if said else ""
 
 

@@ -89,8 +89,8 @@ def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_t
 def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(monkeypatch):
     """bench.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
     ones the later recorded); lychee against Quest counted on the seeds both served, and left out for a lychee run
-    of older defaults; quest-graphs stands in for Quest where Quest has no run, and is set beside it where both
-    served the same seeds."""
+    of older defaults; quest-graphs stands in for Quest where Quest has no run or a shorter one, and is set beside it
+    on the seeds both served."""
     import bench.frontier as fr
 
     tasks = [f"t{i}@8000" for i in range(10)]
@@ -103,25 +103,29 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     runs = [run("off", None, "new", 5), run("lychee", 1024, "new", 5, failed=[4]), run("lychee", 1024, "newer", 3),
             run("lychee", 1024, "newest", 5, failed=[0]), run("quest", 1024, "new", 3, failed=[1, 2]),
             run("lychee", 512, "old", 5), run("quest", 512, "new", 5, failed=[1]),
-            run("quest-graphs", 512, "new", 5, failed=[1, 3]), run("quest-graphs", 2048, "new", 5)]
+            run("quest-graphs", 512, "new", 5, failed=[1, 3]), run("quest-graphs", 2048, "new", 5),
+            run("quest-graphs", 1024, "new", 5, failed=[2, 4])]
     best = fr.best_runs(runs)
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
     monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5}.__getitem__)
     lines = fr.sweep_table("8K").splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
-    # seeds 0-2 of each: lychee lost seed 0, Quest seeds 1 and 2
+    # Quest at 1024 through its stand-in, which served 5 seeds to eager Quest's 3: lychee lost seed 0, it 2 and 4
     assert rows["1024"].endswith("| 2 / 1 (p 1.00) |") and "49 (5.0%, newest)" in rows["1024"]
-    assert "28 of 30 (5.0%, new)" in rows["1024"]
+    assert "| 48 (5.0%, new, `quest-graphs`) |" in rows["1024"]
     assert "50 (5.0%, old, older defaults)" in rows["512"] and rows["512"].endswith("| - |")
     assert "| 49 (5.0%, new) |" in rows["512"]   # eager Quest's own run, not its stand-in's
     assert "| 50 (5.0%, new, `quest-graphs`) |" in rows["2048"]
-    assert "`quest-graphs` beside eager Quest: at 512 48 against 49 (0 gained, 1 lost);" in lines[0]
+    # beside eager Quest at 1024 on seeds 0-2: eager lost 1 and 2, the stand-in 2
+    assert ("`quest-graphs` beside eager Quest: at 512 48 against 49 (0 gained, 1 lost), at 1024 (seeds 0-2) 29 "
+            "against 28 (1 gained, 0 lost);") in lines[0]
     assert rows["256"] == "| 256 | - | - | - | - |"
-    # still to serve: every empty cell, the cell of older defaults, and Quest at 1024 (3 samples of the length's 5),
-    # Quest's through its stand-in
-    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest-graphs@256", "quest-graphs@1024",
+    # still to serve: every empty cell and the cell of older defaults, Quest's through its stand-in
+    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest-graphs@256",
                                 "lychee-fixed@256", "lychee-fixed@512", "lychee-fixed@1024", "lychee-fixed@2048"]
+    runs.pop()   # without the stand-in's 5 seeds at 1024, eager Quest's 3 are short of the length's 5
+    assert "quest-graphs@1024" in fr.missing("8K")
 
 
 def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_edge(monkeypatch):
