@@ -6,8 +6,9 @@
         --samples 50 --concurrency 32 --out $OUT/fidelity.json   # the GPU machine, real weights (../shared/gpu)
     python -m bench.fidelity --append /work/.device/N/fidelity.json \
         bench/results/fidelity_qwen2.5-coder-0.5b_16k_gpu.json --commit C --gpu GPU-xxxxxxxx --note "..."
-        # that call's runs into the committed file (refused at another length: other samples); a call with --first K
-        # (the rest of runs a --deadline cut at K seeds) is joined to the file's runs over seeds 0 .. K-1
+        # that call's runs into the committed file (refused at another length: other samples); a run from seed K on
+        # (--first K, or a --methods word NAME@BUDGET:K: the rest of a run a --deadline cut at K seeds) is joined to
+        # the file's run of it over seeds 0 .. K-1
 
 Methods: off (dense), lychee, quest, lychee-fixed (16-token chunks: the structure-aware ablation), and lychee
 ranking by its full upper bound, half of its radius, or the centroid's score alone (config key ``radius_weight``,
@@ -74,13 +75,18 @@ GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--m
               "--cuda-graph-max-bs", "32"]
 
 
-def cell(arg: str) -> tuple[str, list[int] | None]:
+def cell(arg: str) -> tuple[str, list[int] | None, int | None]:
     """A ``--methods`` word: a method of METHODS, served at every ``--budgets`` budget, or ``NAME@BUDGET``, one
-    cell, so one call can serve the cells a sweep lacks without repeating those it has."""
-    name, _, budget = arg.partition("@")
-    if name not in METHODS or (budget and not budget.isdigit()) or (budget and name == "off"):
-        raise ValueError(f"--methods: {arg!r} is not a method ({', '.join(METHODS)}) or METHOD@BUDGET")
-    return name, [int(budget)] if budget else None
+    cell, so one call can serve the cells a sweep lacks without repeating those it has, or ``NAME@BUDGET:SEED``, that
+    cell from seed SEED on (the rest of a run a deadline cut there), so one call can finish runs cut at different
+    seeds."""
+    name, _, rest = arg.partition("@")
+    budget, colon, start = rest.partition(":")
+    if name not in METHODS or (budget and not budget.isdigit()) or (budget and name == "off") \
+            or (colon and not (budget and start.isdigit())):
+        raise ValueError(f"--methods: {arg!r} is not a method ({', '.join(METHODS)}), METHOD@BUDGET or "
+                         "METHOD@BUDGET:SEED")
+    return name, [int(budget)] if budget else None, int(start) if colon else None
 
 
 def method_arg(arg: str) -> str:
@@ -139,18 +145,27 @@ def held_by(sample, choice: dict) -> float | None:
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
         first: int = 0, parallel: int = 1, deadline: float | None = None) -> dict:
-    """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task; ``save(res)``
-    is called after each, so a long run keeps what it finished. At ``deadline`` (a ``time.time()``) no more samples
-    are sent: each run keeps the seeds every task finished (``first`` .. ``first + kept - 1``), its ``samples``
-    saying how many, so a device call cut short still returns what it served and ``extend`` can add the rest.
+    """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task (a
+    ``NAME@BUDGET:SEED`` word: from SEED on, its run saying so in ``first_seed``); ``save(res)`` is called after
+    each, so a long run keeps what it finished. At ``deadline`` (a ``time.time()``) no more samples are sent: each
+    run keeps the seeds every task finished (its first .. first + kept - 1), its ``samples`` saying how many, so a
+    device call cut short still returns what it served and ``extend`` can add the rest.
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
     ``tp_size``: tensor parallelism on the GPU. ``parallel``: servers at work at once on the one GPU, each with
     its KV pool capped (``bench.server.alongside``). Each answer's digest is kept, so two runs of the same samples
     (say TP 1 and TP 2) can be compared answer by answer."""
     from transformers import AutoTokenizer
 
+    seeds = {}   # (name, budget) -> the seeds its run serves
+    for name, own, start in map(cell, methods):
+        for budget in ([None] if METHODS[name][0] == "off" else own or budgets):
+            seeds[name, budget] = range(first if start is None else start, first + samples)
+            if not seeds[name, budget]:
+                print(f"{name}@{budget}: seeds {first}-{first + samples - 1} already served", flush=True)
+    seeds = {key: r for key, r in seeds.items() if r}
     tok = AutoTokenizer.from_pretrained(model_dir)
-    data = {t: {n: [make(t, tok, n, s) for s in range(first, first + samples)] for n in lengths} for t in tasks}
+    every = sorted({s for r in seeds.values() for s in r})
+    data = {t: {n: {s: make(t, tok, n, s) for s in every} for n in lengths} for t in tasks}
     if gpu_backend:
         import torch
 
@@ -165,15 +180,14 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
            "runs": [], **({"servers_alongside": parallel} if parallel > 1 else {})}
     servers, eager = {}, {}
-    for name, own in map(cell, methods):
+    for name, budget in seeds:
         method, extra = METHODS[name]
-        for budget in ([None] if method == "off" else own or budgets):
-            cfg = None if method == "off" else {"token_budget": budget, **{
-                k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
-            # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
-            eager[name, budget] = bool(gpu_backend) and (method == "quest" or not cuda_graph)
-            args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
-            servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
+        cfg = None if method == "off" else {"token_budget": budget, **{
+            k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
+        # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
+        eager[name, budget] = bool(gpu_backend) and (method == "quest" or not cuda_graph)
+        args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
+        servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
 
     def score(name, budget, srv, pool) -> dict | None:
         scores, counts = {}, {}
@@ -182,26 +196,31 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         def ask(sample):
             return srv.complete(sample.prompt, max_tokens, logprobs=2)["choices"][0]
 
-        asked = {(t, n, i): pool.submit(ask, data[t][n][i]) for i in range(samples) for t in tasks for n in lengths}
+        own = seeds[name, budget]
+        asked = {(t, n, s): pool.submit(ask, data[t][n][s]) for s in own for t in tasks for n in lengths}
         if deadline is not None:
             wait(asked.values(), timeout=max(0.0, deadline - time.time()))
             for f in asked.values():
                 f.cancel()   # those not sent yet; the requests in flight finish
-        kept = next((i for i in range(samples) for t in tasks for n in lengths if asked[t, n, i].cancelled()), samples)
+        kept = next((i for i, s in enumerate(own) for t in tasks for n in lengths if asked[t, n, s].cancelled()),
+                    len(own))
         if kept == 0:
+            print(f"{name}@{budget}: the deadline came before every task finished seed {own.start}: nothing kept",
+                  flush=True)
             return None
+        served = own[:kept]
         for t in tasks:
             for n in lengths:
-                got = [asked[t, n, i].result() for i in range(kept)]
+                got = [asked[t, n, s].result() for s in served]
                 texts = [c["text"] for c in got]
-                done = [s.score(text) for s, text in zip(data[t][n], texts)]
+                done = [data[t][n][s].score(text) for s, text in zip(served, texts)]
                 k = sum(done)
                 scores[f"{t}@{n}"] = k / len(done)
                 # the failed seeds let two methods be compared sample by sample; held_by (seed -> margin, for the
                 # right answers) tells an answer lost to a near tie from one that dense wrote firmly
-                held = {str(first + i): held_by(s, c) for i, (s, c, ok) in enumerate(zip(data[t][n], got, done)) if ok}
+                held = {str(s): held_by(data[t][n][s], c) for s, c, ok in zip(served, got, done) if ok}
                 counts[f"{t}@{n}"] = {"correct": k, "n": len(done), "ci95": wilson(k, len(done)),
-                                      "failed": [first + i for i, ok in enumerate(done) if not ok],
+                                      "failed": [s for s, ok in zip(served, done) if not ok],
                                       "digests": [digest(text) for text in texts], "held_by": held}
         stats = srv.stats()
         kv = stats["attended_tokens"] / stats["context_tokens"] if stats.get("context_tokens") else 1.0
@@ -209,11 +228,12 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                    if stats.get("scored_tokens") else {}),
                 "cuda_graph": bool(gpu_backend) and not eager[name, budget],
-                **({"samples": kept} if kept < samples else {})}
+                **({"samples": kept} if kept < samples else {}),
+                **({"first_seed": own.start} if own.start != first else {})}
 
     def record(run_: dict | None, seconds: float) -> None:
         if run_ is None:
-            return   # the deadline came before it finished one seed of every task
+            return
         run_["seconds"] = round(seconds, 1)
         res["runs"].append(summarize(run_))
         res["runs"].sort(key=lambda r: order.index((r["method"], r["budget"])))   # alongside: as they end
@@ -292,16 +312,18 @@ def append(new: dict, committed: dict, **fields) -> dict:
     """``committed`` with ``new``'s runs (a device call's result) added, each labelled with its device, tasks, sample
     count and ``fields`` (commit, gpu, note). Refused unless both hold the same model and lengths: the runs of a file
     are compared sample by sample against its dense run, so another length (16384 in a 16000 file: the same seeds,
-    other samples) would be paired with samples it never saw. A result that starts past seed 0 (``--first``, say the
-    rest of a run a deadline cut) is joined (``extend``) to the file's latest run of each (method, budget) whose seeds
-    end where it starts; that run stays, and the joined one is added after it."""
+    other samples) would be paired with samples it never saw. A run that starts past seed 0 (``--first`` or a
+    ``NAME@BUDGET:SEED`` word, say the rest of a run a deadline cut) is joined (``extend``) to the file's latest run
+    of its (method, budget) whose seeds end where it starts; that run stays, and the joined one is added after it."""
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
-    runs = [{**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
-             **fields} for run in new["runs"]]
-    if first := new.get("first_seed", 0):
-        runs = [joined(committed["runs"], run, first) for run in runs]
+    runs = []
+    for run in new["runs"]:
+        run = {**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
+               **fields}
+        first = run.pop("first_seed", new.get("first_seed", 0))
+        runs.append(joined(committed["runs"], run, first) if first else run)
     return {**committed, "runs": committed["runs"] + runs}
 
 
@@ -431,7 +453,8 @@ def main():
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument("--methods", nargs="+", default=["off", "lychee", "quest", "lychee-fixed"], type=method_arg,
-                    help="the ranking variants run only when named; METHOD@BUDGET: that one budget")
+                    help="the ranking variants run only when named; METHOD@BUDGET: that one budget; "
+                         "METHOD@BUDGET:SEED: that cell from seed SEED up to --samples")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
@@ -479,6 +502,8 @@ def main():
             ap.error(f"--append {a.append[0]} {a.append[1]}: {e}")
         write(merged, a.append[1])
         return
+    if a.first and any(cell(word)[2] is not None for word in a.methods):
+        ap.error("--first and METHOD@BUDGET:SEED words: each run's first seed is said once")
     if a.parallel > 1 and (a.device != "gpu" or a.tp_size > 1):
         ap.error("--parallel runs servers side by side on one GPU: it needs --device gpu and --tp-size 1")
     if a.quick:

@@ -172,14 +172,18 @@ def sweep_table(name: str) -> str:
 
 def missing(name: str) -> list[str]:
     """The sweep's cells at ``name`` not yet served with the length's full sample count (or, for lychee, not since its
-    defaults last changed), as ``bench.fidelity --methods`` words (``NAME@BUDGET``)."""
+    defaults last changed), as ``bench.fidelity --methods`` words: ``NAME@BUDGET``, or ``NAME@BUDGET:SEED`` where a
+    run of the current defaults was cut at that seed (``--append`` joins the rest to it)."""
     runs = best_runs(load(SWEEP[name])["runs"])
     per = per_task(runs["off", None])
 
-    def served(r) -> bool:
-        return r is not None and per_task(r) == per and not before_defaults(r["method"], r["commit"])
+    def word(method: str, budget: int) -> str | None:
+        r = swept(runs, method, budget)
+        if r is None or before_defaults(r["method"], r["commit"]):
+            return f"{STAND_IN.get(method, method)}@{budget}"
+        return f"{r['method']}@{budget}:{per_task(r)}" if per_task(r) < per else None
 
-    return [f"{STAND_IN.get(m, m)}@{b}" for m in SWEPT for b in BUDGETS if not served(swept(runs, m, b))]
+    return [w for m in SWEPT for b in BUDGETS if (w := word(m, b))]
 
 
 def main() -> None:

@@ -8,7 +8,11 @@
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
-#    before it: each run keeps the seeds every task finished, where a run the call's limit cuts returns nothing;
+#    before it: each run keeps the seeds every task finished, where a run the call's limit cuts returns nothing; a
+#    METHOD@BUDGET:SEED word serves the rest of a run cut at SEED (`python -m bench.frontier --missing 30K` names
+#    them), so one call can finish runs cut at different seeds; on a fresh machine, where the model is converted and
+#    every kernel compiled first, a 30K call of 60 samples with 135 s to its deadline kept nothing: a short call
+#    belongs on a warm machine;
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
 #    `python -m bench.fidelity --append RESULT FILE --commit --gpu --note` refuses to add to them)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;

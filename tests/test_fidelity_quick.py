@@ -207,6 +207,48 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
     assert fidelity.append(res, {**res, "runs": []}, commit="c", gpu="g", note="n")["runs"][0]["samples"] == 3
 
 
+def test_a_cell_word_with_a_seed_serves_the_rest_of_a_cut_run_and_append_joins_it(monkeypatch, smollm2_dir,
+                                                                                   smollm2_tokenizer):
+    """``NAME@BUDGET:SEED``: that cell serves seeds SEED .. --samples - 1 beside a cell from seed 0 in the same call
+    (failed seeds numbered as served), a cell already served to --samples starts no server, and ``append`` joins
+    each run from where it starts: the cut one to the file's run over seeds 0 .. SEED - 1, the whole one as it is."""
+    from bench import fidelity
+    from bench.tasks import make
+
+    asked = {make("passkey", smollm2_tokenizer, 300, seed).prompt: seed for seed in range(4)}
+    started, sent = [], []
+
+    class FakeServer(StartedServer):
+        def __init__(self, model_dir, method, cfg, **kwargs):
+            self.method = method
+            started.append((method, cfg and cfg["token_budget"]))
+
+        def complete(self, prompt, max_tokens, logprobs=None):
+            sent.append((self.method, asked[prompt]))
+            text = " no idea" if asked[prompt] % 2 else " ".join(make("passkey", smollm2_tokenizer, 300,
+                                                                      asked[prompt]).expected)
+            return {"choices": [{"text": text, "logprobs": {"tokens": [text], "top_logprobs": [{}]}}]}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee@256:2", "quest@256:4"], [1024], ["passkey"], [300], 4)
+    assert started == [("off", None), ("lychee", 256)]   # quest at 256 already has seeds 0-3
+    assert sorted(sent) == [("lychee", 2), ("lychee", 3)] + [("off", s) for s in range(4)]
+    off, lychee = res["runs"]
+    assert "first_seed" not in off and "samples" not in off and off["counts"]["passkey@300"]["failed"] == [1, 3]
+    assert (lychee["first_seed"], lychee["samples"]) == (2, 2)
+    assert lychee["counts"]["passkey@300"]["failed"] == [3] and lychee["counts"]["passkey@300"]["held_by"].keys() == {
+        "2"}
+    cut = {**lychee, "counts": {"passkey@300": {"correct": 1, "n": 2, "failed": [0], "digests": ["x", "y"]}},
+           "samples": 2, "commit": "aaa"}
+    del cut["first_seed"]
+    merged = fidelity.append(res, {**res, "runs": [cut]}, commit="bbb", gpu="GPU-1", note="n")
+    assert [(r["method"], r["samples"]) for r in merged["runs"]] == [("lychee", 2), ("off", 4), ("lychee", 4)]
+    assert merged["runs"][2]["counts"]["passkey@300"]["failed"] == [0, 3] and "first_seed" not in merged["runs"][2]
+    for word in ("lychee:3", "lychee@256:x", "lychee@256:"):
+        with pytest.raises(ValueError, match="METHOD@BUDGET:SEED"):
+            fidelity.cell(word)
+
+
 def test_methods_name_whole_sweeps_or_single_cells(monkeypatch, smollm2_dir):
     """``--methods`` words: a method runs at every budget, ``NAME@BUDGET`` at that one alone; bad words are refused
     when the flags are read, before any server starts."""

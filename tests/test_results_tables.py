@@ -124,8 +124,8 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     # still to serve: every empty cell and the cell of older defaults, Quest's through its stand-in
     assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest-graphs@256",
                                 "lychee-fixed@256", "lychee-fixed@512", "lychee-fixed@1024", "lychee-fixed@2048"]
-    runs.pop()   # without the stand-in's 5 seeds at 1024, eager Quest's 3 are short of the length's 5
-    assert "quest-graphs@1024" in fr.missing("8K")
+    runs.pop()   # without the stand-in's 5 seeds at 1024, eager Quest's 3 are short of the length's 5: the rest
+    assert "quest@1024:3" in fr.missing("8K")
 
 
 def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_edge(monkeypatch):
