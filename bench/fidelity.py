@@ -310,9 +310,9 @@ def extend(a: dict, b: dict) -> dict:
 
 def append(new: dict, committed: dict, **fields) -> dict:
     """``committed`` with ``new``'s runs (a device call's result) added, each labelled with its device, tasks, sample
-    count and ``fields`` (commit, gpu, note). Refused unless both hold the same model and lengths: the runs of a file
-    are compared sample by sample against its dense run, so another length (16384 in a 16000 file: the same seeds,
-    other samples) would be paired with samples it never saw. A run that starts past seed 0 (``--first`` or a
+    count, servers side by side and ``fields`` (commit, gpu, note). Refused unless both hold the same model and
+    lengths: the runs of a file are compared sample by sample against its dense run, so another length (16384 in a
+    16000 file: the same seeds, other samples) would be paired with samples it never saw. A run that starts past seed 0 (``--first`` or a
     ``NAME@BUDGET:SEED`` word, say the rest of a run a deadline cut) is joined (``extend``) to the file's latest run
     of its (method, budget) whose seeds end where it starts; that run stays, and the joined one is added after it."""
     for key in ("model", "lengths"):
@@ -321,7 +321,7 @@ def append(new: dict, committed: dict, **fields) -> dict:
     runs = []
     for run in new["runs"]:
         run = {**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
-               **fields}
+               **({"servers_alongside": new["servers_alongside"]} if "servers_alongside" in new else {}), **fields}
         first = run.pop("first_seed", new.get("first_seed", 0))
         runs.append(joined(committed["runs"], run, first) if first else run)
     return {**committed, "runs": committed["runs"] + runs}

@@ -328,7 +328,9 @@ def test_append_labels_runs_and_refuses_other_samples():
 
     committed = {k: v for k, v in result(16000, ["off"]).items() if k not in ("device", "samples", "tasks")}
     merged = append(result(16000, ["lychee"]), committed, commit="abc1234", gpu="GPU-1", note="why")
-    assert [r["method"] for r in merged["runs"]] == ["off", "lychee"]
+    assert [r["method"] for r in merged["runs"]] == ["off", "lychee"] and "servers_alongside" not in merged["runs"][1]
+    beside = append({**result(16000, ["lychee"]), "servers_alongside": 2}, committed, commit="c", gpu="g", note="n")
+    assert beside["runs"][1]["servers_alongside"] == 2   # how many servers shared the card: its seconds' meaning
     assert len(committed["runs"]) == 1   # the committed result itself is left as it was
     labels = {"device": "NVIDIA H200", "samples": 50, "tasks": ["passkey"], "commit": "abc1234", "gpu": "GPU-1",
               "note": "why"}
