@@ -312,9 +312,10 @@ def append(new: dict, committed: dict, **fields) -> dict:
     """``committed`` with ``new``'s runs (a device call's result) added, each labelled with its device, tasks, sample
     count, servers side by side and ``fields`` (commit, gpu, note). Refused unless both hold the same model and
     lengths: the runs of a file are compared sample by sample against its dense run, so another length (16384 in a
-    16000 file: the same seeds, other samples) would be paired with samples it never saw. A run that starts past seed 0 (``--first`` or a
-    ``NAME@BUDGET:SEED`` word, say the rest of a run a deadline cut) is joined (``extend``) to the file's latest run
-    of its (method, budget) whose seeds end where it starts; that run stays, and the joined one is added after it."""
+    16000 file: the same seeds, other samples) would be paired with samples it never saw. A run that starts past
+    seed 0 (``--first`` or a ``NAME@BUDGET:SEED`` word, say the rest of a run a deadline cut) is joined (``extend``)
+    to the file's latest run of its (method, budget) whose seeds end where it starts; that run stays, and the joined
+    one is added after it."""
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
