@@ -331,7 +331,7 @@ def append(new: dict, committed: dict, **fields) -> dict:
 def joined(runs: list, later: dict, first: int) -> dict:
     """``later`` (seeds from ``first`` on) joined to the latest of ``runs`` of its (method, budget) over seeds
     0 .. first - 1, labelled with both runs' commits, cards and devices where they differ."""
-    before = [r for r in runs if run_key(r) == run_key(later) and r.get("samples") == first
+    before = [r for r in runs if run_key(r) == run_key(later) and per_task(r) == first   # as frontier --missing counts
               and r["counts"].keys() == later["counts"].keys()]
     if not before:
         raise ValueError(f"{run_key(later)} starts at seed {first}: the file has no run of it over seeds 0-{first - 1}")
