@@ -311,7 +311,9 @@ ALONGSIDE_DRIVER = textwrap.dedent("""
         srv.args = [sys.executable, "-c", {launcher!r}, str(srv.port)]
 
     def work(key, srv):
-        print(srv.proc.pid, flush=True)
+        # one write per line: print writes the pid and its newline apart, so two threads could interleave them
+        sys.stdout.write(f"{{srv.proc.pid}}\\n")
+        sys.stdout.flush()
         while True:
             requests.get(srv.url, timeout=5).raise_for_status()
             time.sleep(0.05)
