@@ -534,6 +534,7 @@ VARIANTS = {
     "lychee-dense-0": {"dense_layers": 0},
     "lychee-expand-4": {"coarse_expand": 4.0},
     "lychee-expand-8": {"coarse_expand": 8.0},
+    "lychee-expand-128": {"coarse_expand": 128.0},
     "lychee-flat": {"coarse_expand": 1e9},
     "lychee-fixed-chunks": {"chunking": "fixed"},
     "lychee-previous-query": {},

@@ -46,6 +46,8 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # under this name before; lychee-expand-16: the default up to it (lychee in the results of that time)
            "lychee-expand-32": ("lychee", {"coarse_expand": 32.0}),
            "lychee-expand-16": ("lychee", {"coarse_expand": 16.0}),
+           # every coarse unit of a 30K prompt expanded at every budget (at 256 the default expands 32 x 176 tokens)
+           "lychee-flat": ("lychee", {"coarse_expand": 1024.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)

@@ -35,6 +35,11 @@ def md_table(caption: str, header: list[str], rows) -> str:
                       *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
+def budgets_named(b) -> str:
+    """An attention_recall result's budget: one, or several (its variants then named VARIANT@BUDGET)."""
+    return f"budget {b}" if isinstance(b, int) else "budgets " + ", ".join(map(str, b)) + " (VARIANT@BUDGET)"
+
+
 def recall_table(path: Path) -> str:
     r = json.loads(path.read_text())
     if "tokens" in r:
@@ -43,8 +48,7 @@ def recall_table(path: Path) -> str:
         sm = r["samples"]
         what = (f"{r['task']} answers ({len(sm)} samples of {min(x['tokens'] for x in sm)}-"
                 f"{max(x['tokens'] for x in sm)} tokens, {sum(x['queries'] for x in sm)} queries), {r.get('device', 'CPU')}")
-    b = r["budget"]
-    budget = f"budget {b}" if isinstance(b, int) else "budgets " + ", ".join(map(str, b)) + " (VARIANT@BUDGET)"
+    budget = budgets_named(r["budget"])
     return md_table(f"Attention fidelity on captured Q/K/V, {r['model']}, {what}, {budget}, "
                     f"mean over sparse layers (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["variant", "attention-mass recall", "worst head", "top-k recall", "output rel. error", "KV read"],
@@ -640,8 +644,9 @@ def merged_recall_table(path: Path) -> str:
              f"{m['mass_recall']:.3f}", f"{m['out_rel_err']:.3f}", f"{m['kv_read']:.1%}",
              *([f"{m['selected_steps']:.0%}" if "selected_steps" in m else "100%"] if reuse else []))
             for v, m in r["mean_over_tasks"].items()]
-    return md_table(f"{r.get('what', 'Attention-mass recall')}, {r['model']}, {r['length']} tokens, budget "
-                    f"{r['budget']}, {n} samples, {r['device']} (`{path.relative_to(RESULTS.parent.parent)}`)",
+    budget = budgets_named(r["budget"])
+    return md_table(f"{r.get('what', 'Attention-mass recall')}, {r['model']}, {r['length']} tokens, {budget}, "
+                    f"{n} samples, {r['device']} (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["variant", *tasks, "mean", "output error (mean)", "KV read",
                      *(["decode steps that select"] if reuse else [])], rows)
 
@@ -829,6 +834,7 @@ def main(argv=None):
                      ("selection_breakdown_fine1.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", hybrid_breakdown_table),
                      ("selection_breakdown_expand.json", bounds_kernel_table),
+                     ("attention_recall_qwen_expand_budgets_30k.json", merged_recall_table),
                      ("attention_recall_qwen_expand_16k.json", merged_recall_table),
                      ("attention_recall_qwen_reuse_4k.json", merged_recall_table),
                      ("attention_recall_qwen_mv30k_expand.json", recall_table),

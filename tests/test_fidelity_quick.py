@@ -404,3 +404,31 @@ def test_quest_graphs_selects_the_pages_quest_selects(reduce, budget):
     ours = select_chunks(ix, q, budget, cfg.coarse_expand, reduce, cfg.radius_weight)
     assert torch.equal(ours, select_pages(q, lo, hi, budget, page, reduce))
     assert ours.sum(1).tolist() == [budget // page] * H
+
+
+def test_lychee_flat_ranks_every_fine_cluster_of_a_30k_prompt_at_budget_256():
+    """bench.fidelity's lychee-flat expands every coarse unit of a 30K-token index at budget 256 (176 tokens past
+    sink and window), so it takes the fine clusters in the order of their own bounds over the whole prompt; the
+    default expands coarse units holding 32 x 176 tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.fidelity import METHODS
+    from sgl_sparsekv.config import SparseKVConfig
+    from sgl_sparsekv.index import build_index, upper_bound
+    from sgl_sparsekv.select import select_clusters
+
+    method, extra = METHODS["lychee-flat"]
+    cfg = SparseKVConfig.from_method(method, {"token_budget": 256, **extra})
+    retrieved = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+    gen = torch.Generator().manual_seed(0)
+    H, M, d, G = 2, 2000, 32, 4
+    ix = build_index(F.normalize(torch.randn(H, M, d, generator=gen), dim=-1), torch.full((M,), 15),
+                     cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+    q = torch.randn(H, G, d, generator=gen)
+    ours = select_clusters(ix, q, retrieved, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
+    bound = upper_bound(q, ix.fine_mu, cfg.radius_weight * ix.fine_r, cfg.gqa_reduce)
+    for h in range(H):
+        order = torch.sort(bound[h], descending=True, stable=True).indices
+        taken = order[torch.cumsum(ix.fine_tokens[h, order], 0) <= retrieved]
+        assert sorted(ours[h].nonzero().flatten().tolist()) == sorted(taken.tolist())
