@@ -144,11 +144,22 @@ def held_by(sample, choice: dict) -> float | None:
     return sample.held_by(lp["tokens"], gaps)
 
 
+def ends(results: list[dict]) -> dict:
+    """(method, budget) -> the seed after the last one served by any run of it in ``results`` (earlier calls' --out)."""
+    out = {}
+    for res in results:
+        for r in res["runs"]:
+            end = r.get("first_seed", res.get("first_seed", 0)) + per_task(r)
+            out[r["method"], r["budget"]] = max(end, out.get((r["method"], r["budget"]), 0))
+    return out
+
+
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
-        first: int = 0, parallel: int = 1, deadline: float | None = None) -> dict:
+        first: int = 0, parallel: int = 1, deadline: float | None = None, after: dict | None = None) -> dict:
     """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task (a
-    ``NAME@BUDGET:SEED`` word: from SEED on, its run saying so in ``first_seed``); ``save(res)`` is called after
+    ``NAME@BUDGET:SEED`` word: from SEED on, its run saying so in ``first_seed``; ``after`` ((method, budget) ->
+    seed, ``ends`` of earlier calls): from that seed on where it is later); ``save(res)`` is called after
     each, so a long run keeps what it finished. At ``deadline`` (a ``time.time()``) no more samples are sent: each
     run keeps the seeds every task finished (its first .. first + kept - 1), its ``samples`` saying how many, so a
     device call cut short still returns what it served and ``extend`` can add the rest.
@@ -161,7 +172,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     seeds = {}   # (name, budget) -> the seeds its run serves
     for name, own, start in map(cell, methods):
         for budget in ([None] if METHODS[name][0] == "off" else own or budgets):
-            seeds[name, budget] = range(first if start is None else start, first + samples)
+            begin = max(first if start is None else start, (after or {}).get((name, budget), 0))
+            seeds[name, budget] = range(begin, first + samples)
             if not seeds[name, budget]:
                 print(f"{name}@{budget}: seeds {first}-{first + samples - 1} already served", flush=True)
     seeds = {key: r for key, r in seeds.items() if r}
@@ -463,6 +475,9 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5, help="samples per task and length (10 tasks: 50 is 500 in all)")
     ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
+    ap.add_argument("--after", nargs="+", default=[], metavar="RESULT",
+                    help="earlier calls' --out: each cell starts at the seed after the last one they served of it, "
+                    "so calls sent together continue one another wherever a deadline cut the one before")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                     help="after this long, send no more samples: each run keeps the seeds every task finished")
     ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 1K tokens, 3 tasks")
@@ -512,6 +527,13 @@ def main():
     if a.quick:
         a.budgets, a.lengths, a.samples = [256], [1000], 2
         a.tasks = ["passkey", "niah_multikey", "json_value"]
+    after = []
+    for path in a.after:
+        if not os.path.exists(path):
+            ap.error(f"--after {path}: no such result (on the device: a fresh machine keeps no earlier call's)")
+        with open(path) as f:
+            after.append(json.load(f))
+
     from sgl_sparsekv.models import prepare
 
     model_dir = a.model_dir or f"models/{a.model}"
@@ -525,7 +547,7 @@ def main():
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
               cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel,
-              deadline=None if a.deadline is None else time.time() + a.deadline)
+              deadline=None if a.deadline is None else time.time() + a.deadline, after=ends(after))
     if a.plot:
         plot(res, a.plot)
 

@@ -10,7 +10,9 @@
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
 #    before it: each run keeps the seeds every task finished, where a run the call's limit cuts returns nothing; a
 #    METHOD@BUDGET:SEED word serves the rest of a run cut at SEED (`python -m bench.frontier --missing 30K` names
-#    them), so one call can finish runs cut at different seeds; on a fresh machine, where the model is converted and
+#    them), so one call can finish runs cut at different seeds; AFTER="NAME..." (earlier calls' names on this machine)
+#    starts each cell where those calls stopped it, so calls sent in one batch continue one another without a pause
+#    between them (the machine is released after 30 s idle); on a fresh machine, where the model is converted and
 #    every kernel compiled first, a 30K call of 60 samples with 135 s to its deadline kept nothing: a short call
 #    belongs on a warm machine;
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
@@ -51,10 +53,12 @@ case "$1" in
     model=${MODEL:-qwen2.5-coder-0.5b}
     [ -d "/tmp/$model" ] || python3 .gpu-bundle/model_on_gpu.py "$model" "/tmp/$model" > /dev/null
     # shellcheck disable=SC2086  # METHODS is a word list
+    after=(); for earlier in ${AFTER:-}; do after+=("/tmp/fidelity/$earlier.json"); done
     left=$(( ${CALL_S:-600} - SECONDS ))   # SECONDS: since this script started, the model's conversion included
     timeout $(( left - 15 )) python3 -m bench.fidelity --device gpu --model "$model" --model-dir "/tmp/$model" \
       --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
-      --deadline $(( left - 60 )) "$@" 2>&1 | tail -30 ;;
+      --deadline $(( left - 60 )) ${after[@]:+--after "${after[@]}"} "$@" 2>&1 | tail -30
+    mkdir -p /tmp/fidelity && cp "$OUT/$name.json" /tmp/fidelity/ 2>/dev/null ;;   # for a later call's AFTER
   *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
           "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS]" >&2
      exit 2 ;;

@@ -249,6 +249,42 @@ def test_a_cell_word_with_a_seed_serves_the_rest_of_a_cut_run_and_append_joins_i
             fidelity.cell(word)
 
 
+def test_after_starts_each_cell_where_the_earlier_calls_stopped_it(monkeypatch, smollm2_dir, smollm2_tokenizer):
+    """``--after``: calls sent together continue one another. A cell starts at the seed after the last one any
+    earlier call served of it (the later of two calls, a ``NAME@BUDGET:SEED`` word's seed where that is later),
+    a cell they served to --samples starts no server, a cell they never served starts at its own seed, and
+    ``append`` joins the runs in the order the calls ran."""
+    from bench import fidelity
+    from bench.tasks import make
+
+    asked = {make("passkey", smollm2_tokenizer, 300, seed).prompt: seed for seed in range(6)}
+    sent = []
+
+    class FakeServer(StartedServer):
+        def __init__(self, model_dir, method, cfg, **kwargs):
+            self.key = (method, cfg and cfg["token_budget"])
+
+        def complete(self, prompt, max_tokens, logprobs=None):
+            sent.append((*self.key, asked[prompt]))
+            return {"choices": [{"text": " no idea", "logprobs": {"tokens": [], "top_logprobs": []}}]}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    one = dict(model="smollm2", model_dir=smollm2_dir, tasks=["passkey"], lengths=[300])
+    first = fidelity.run(methods=["lychee@256", "quest@256"], budgets=[1024], samples=2, **one)
+    second = fidelity.run(methods=["lychee@256", "quest@256:1"], budgets=[1024], samples=6,
+                          after=fidelity.ends([first]), **one)
+    assert [(r["method"], r["first_seed"]) for r in second["runs"]] == [("lychee", 2), ("quest", 2)]
+    sent.clear()
+    third = fidelity.run(methods=["lychee@256:4", "quest@256", "lychee@512"], budgets=[1024], samples=6,
+                         after=fidelity.ends([first, second]), **one)
+    assert sorted(sent) == [("lychee", 512, s) for s in range(6)]   # both 256 cells already had seeds 0-5
+    assert [(r["method"], r["budget"], r.get("first_seed", 0)) for r in third["runs"]] == [("lychee", 512, 0)]
+    merged = {**first, "runs": []}
+    for res in (first, second):
+        merged = fidelity.append(res, merged, commit="c", gpu="g", note="n")
+    assert [(r["method"], fidelity.per_task(r)) for r in merged["runs"][-2:]] == [("lychee", 6), ("quest", 6)]
+
+
 def test_methods_name_whole_sweeps_or_single_cells(monkeypatch, smollm2_dir):
     """``--methods`` words: a method runs at every budget, ``NAME@BUDGET`` at that one alone; bad words are refused
     when the flags are read, before any server starts."""
