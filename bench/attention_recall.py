@@ -221,7 +221,9 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
                     sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce,
                                              token_bound == "chunk")
                 else:
-                    sel = select_chunks(index, q, budget, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
+                    # an adaptive budget (a tensor per head) keeps coarse_expand alone: that analysis predates the floor
+                    expand = cfg.coarse_expand if torch.is_tensor(budget) else cfg.expansion(budget)
+                    sel = select_chunks(index, q, budget, expand, cfg.gqa_reduce, cfg.radius_weight)
             else:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,
@@ -532,9 +534,9 @@ VARIANTS = {
     # the layers lychee leaves dense by default (dense_layers 2), selected too: how much of their attention a
     # selection keeps
     "lychee-dense-0": {"dense_layers": 0},
-    "lychee-expand-4": {"coarse_expand": 4.0},
-    "lychee-expand-8": {"coarse_expand": 8.0},
-    "lychee-expand-128": {"coarse_expand": 128.0},
+    "lychee-expand-4": {"coarse_expand": 4.0, "coarse_expand_min": 0},
+    "lychee-expand-8": {"coarse_expand": 8.0, "coarse_expand_min": 0},
+    "lychee-expand-128": {"coarse_expand": 128.0, "coarse_expand_min": 0},
     "lychee-flat": {"coarse_expand": 1e9},
     "lychee-fixed-chunks": {"chunking": "fixed"},
     "lychee-previous-query": {},

@@ -41,17 +41,18 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-centroid-rank": ("lychee", {"radius_weight": 0.0}),
            "lychee-fine-2": ("lychee", {"fine_cluster_size": 2.0}),   # the default up to 560e8bf
            # half the coarse expansion: fine bounds for about half the clusters at 32K (selection_breakdown_expand)
-           "lychee-expand-8": ("lychee", {"coarse_expand": 8.0}),
+           "lychee-expand-8": ("lychee", {"coarse_expand": 8.0, "coarse_expand_min": 0}),
            # the coarse expansion of lychee-rerank-2 at 32K, no rerank: the default since 2815376 (lychee), measured
            # under this name before; lychee-expand-16: the default up to it (lychee in the results of that time)
-           "lychee-expand-32": ("lychee", {"coarse_expand": 32.0}),
-           "lychee-expand-16": ("lychee", {"coarse_expand": 16.0}),
+           "lychee-expand-32": ("lychee", {"coarse_expand": 32.0, "coarse_expand_min": 0}),
+           "lychee-expand-16": ("lychee", {"coarse_expand": 16.0, "coarse_expand_min": 0}),
            # every coarse unit of a 30K prompt expanded at every budget (at 256 the default expands 32 x 176 tokens)
            "lychee-flat": ("lychee", {"coarse_expand": 1024.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),
            # the same, its coarse expansion sized for the budget alone (fine bounds for half the clusters at 32K)
-           "lychee-rerank-2-expand-8": ("lychee", {"rerank_factor": 2, "coarse_expand": 8.0}),
+           "lychee-rerank-2-expand-8": ("lychee", {"rerank_factor": 2, "coarse_expand": 8.0,
+                                                   "coarse_expand_min": 0}),
            # fine clusters ranked by the box of their tokens' keys: Quest's bound (weight 1), or a quarter of it
            "lychee-box": ("lychee", {"fine_bound": "box", "radius_weight": 1.0}),
            "lychee-box-0.25": ("lychee", {"fine_bound": "box"}),

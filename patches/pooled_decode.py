@@ -98,6 +98,7 @@ class PooledDecode:
         self.H, self.cap = H, cfg.token_budget
         self.retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window   # tokens retrieved past both
         f = cfg.rerank_factor
+        self.expand = cfg.expansion(self.retrieve * f)   # the cut's budget is the candidates' with a rerank
         self.max_bs = max_bs
 
         def i32(n):
@@ -375,7 +376,7 @@ class PooledDecode:
         coarse, fine, chunks = self.manager.pools.layer(sparse_layer)
         # gqa_reduce "mean": the group's mean query ranks (a group of one), as in the reference's upper_bound
         qs = q.view(bs, self.H, -1, q.shape[-1]).float().mean(2) if cfg.gqa_reduce == "mean" else q
-        sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], cfg.coarse_expand, cfg.max_coarse,
+        sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], self.expand, cfg.max_coarse,
                           parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads,
                           box=self.manager.pools.box_layer(sparse_layer))
         reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)

@@ -54,6 +54,10 @@ class SparseKVConfig:
     # 32 answered dense's 195 of 500 where 16 answered 179; selection per sparse layer at batch 16 costs 0.131 ms
     # instead of 0.105 (H200, README "Fidelity" and bench/results/selection_breakdown_expand.json).
     coarse_expand: float = 32.0
+    # ... and at least this many tokens, so a small budget prunes no more of the prompt than budget 1024 does
+    # (32 x 944 = 30208 tokens). Without it, budget 256 expanded 32 x 176 = 5.6K tokens, a fifth of a 30K prompt,
+    # and answered 87 of 340 at 30K where Quest answered 109 (README, the 30K sweep). 0: no floor.
+    coarse_expand_min: int = 30000
     # Coarse units and fine clusters are ranked by q.mu + radius_weight |q| r: 1 is the upper bound of
     # LycheeCluster, under which wide clusters of filler outrank the tight one holding a needle; 0.25 answered
     # 213 of 500 long-context samples where 1 answered 171 (README, fidelity on the GPU).
@@ -85,9 +89,9 @@ class SparseKVConfig:
 
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
-        "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse",
-                   "kmeans_iters", "coarse_expand", "radius_weight", "fine_bound", "index_pool_scale", "head_roles",
-                   "rerank_factor", "select_every", "select_ahead"),
+        "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse", "kmeans_iters",
+                   "coarse_expand", "coarse_expand_min", "radius_weight", "fine_bound", "index_pool_scale",
+                   "head_roles", "rerank_factor", "select_every", "select_ahead"),
         "quest": ("page_size",),
     }
 
@@ -103,6 +107,11 @@ class SparseKVConfig:
         """Largest retrieval unit (chunk or page) in tokens."""
         return self.chunk_max if self.method == "lychee" else self.page_size
 
+    def expansion(self, budget: int) -> float:
+        """The coarse expansion factor for a cut of ``budget`` retrieved tokens: ``coarse_expand``, raised so the
+        expanded units hold at least ``coarse_expand_min`` tokens."""
+        return max(self.coarse_expand, self.coarse_expand_min / max(budget, 1))
+
     def validate(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"--sparse-kv: unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
@@ -116,7 +125,7 @@ class SparseKVConfig:
         for k in positive:
             if getattr(self, k) <= 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")
-        for k in ("sink_tokens", "recent_window", "dense_layers"):
+        for k in ("sink_tokens", "recent_window", "dense_layers", "coarse_expand_min"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be >= 0, got {getattr(self, k)}")
         if self.chunk_min > self.chunk_max:

@@ -46,6 +46,9 @@ def test_shipped_configs_load():
     ("quest", {"fine_bound": "box"}, "fine_bound"),
     ("lychee", {"gqa_reduce": "sum"}, "key 'gqa_reduce' must be 'max' or 'mean'"),
     ("lychee", {"coarse_expand": 0.5}, "key 'coarse_expand' must be >= 1"),
+    ("lychee", {"coarse_expand_min": -1}, "key 'coarse_expand_min' must be >= 0"),
+    ("lychee", {"coarse_expand_min": 3e4}, "key 'coarse_expand_min' must be int, got float"),
+    ("quest", {"coarse_expand_min": 0}, "key 'coarse_expand_min' applies to --sparse-kv lychee, not quest"),
     ("lychee", {"radius_weight": 1.5}, "key 'radius_weight' must be in [0, 1]"),
     ("quest", {"radius_weight": 0.0}, "key 'radius_weight' applies to --sparse-kv lychee, not quest"),
     ("lychee", {"rerank_factor": 0}, "key 'rerank_factor' must be in [1, 8], got 0"),
@@ -312,3 +315,11 @@ def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method, reserv
     available = 40 * CACHE_BYTES
     tokens = reserve_index_cache(original, conf, available, 1).max_total_num_tokens
     assert tokens == (available - (CACHE_BYTES if reserved else 0)) // conf._cell_size
+
+
+def test_expansion_is_coarse_expand_raised_to_the_floor():
+    """Budget 1024 (944 retrieved) keeps coarse_expand's 32 x 944 tokens; budget 256 (176) expands the floor's
+    30000 tokens, not 32 x 176; floor 0 is coarse_expand alone."""
+    c = SparseKVConfig.from_method("lychee")
+    assert c.expansion(944) == 32.0 and c.expansion(176) * 176 == pytest.approx(30000)
+    assert SparseKVConfig.from_method("lychee", {"coarse_expand_min": 0}).expansion(176) == 32.0

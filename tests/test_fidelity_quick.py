@@ -442,10 +442,11 @@ def test_quest_graphs_selects_the_pages_quest_selects(reduce, budget):
     assert ours.sum(1).tolist() == [budget // page] * H
 
 
-def test_lychee_flat_ranks_every_fine_cluster_of_a_30k_prompt_at_budget_256():
-    """bench.fidelity's lychee-flat expands every coarse unit of a 30K-token index at budget 256 (176 tokens past
-    sink and window), so it takes the fine clusters in the order of their own bounds over the whole prompt; the
-    default expands coarse units holding 32 x 176 tokens."""
+@pytest.mark.parametrize("name", ["lychee-flat", "lychee"])
+def test_budget_256_ranks_every_fine_cluster_of_a_30k_prompt(name):
+    """At budget 256 (176 tokens past sink and window) on a 30K-token index, bench.fidelity's lychee-flat and the
+    default (its coarse_expand_min floor) expand every coarse unit, so they take the fine clusters in the order of
+    their own bounds over the whole prompt; coarse_expand alone would expand units holding 32 x 176 tokens."""
     import torch
     import torch.nn.functional as F
 
@@ -454,7 +455,7 @@ def test_lychee_flat_ranks_every_fine_cluster_of_a_30k_prompt_at_budget_256():
     from sgl_sparsekv.index import build_index, upper_bound
     from sgl_sparsekv.select import select_clusters
 
-    method, extra = METHODS["lychee-flat"]
+    method, extra = METHODS[name]
     cfg = SparseKVConfig.from_method(method, {"token_budget": 256, **extra})
     retrieved = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
     gen = torch.Generator().manual_seed(0)
@@ -462,7 +463,7 @@ def test_lychee_flat_ranks_every_fine_cluster_of_a_30k_prompt_at_budget_256():
     ix = build_index(F.normalize(torch.randn(H, M, d, generator=gen), dim=-1), torch.full((M,), 15),
                      cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
     q = torch.randn(H, G, d, generator=gen)
-    ours = select_clusters(ix, q, retrieved, cfg.coarse_expand, cfg.gqa_reduce, cfg.radius_weight)
+    ours = select_clusters(ix, q, retrieved, cfg.expansion(retrieved), cfg.gqa_reduce, cfg.radius_weight)
     bound = upper_bound(q, ix.fine_mu, cfg.radius_weight * ix.fine_r, cfg.gqa_reduce)
     for h in range(H):
         order = torch.sort(bound[h], descending=True, stable=True).indices

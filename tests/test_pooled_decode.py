@@ -163,8 +163,8 @@ class TwinWorld(World):
         heads = slice(l * H, (l + 1) * H)
         ix = ClusterIndex(**{k: v[heads].float() if v.is_floating_point() else v[heads] for k, v in vars(ix).items()})
         sink, recent = cfg.sink_tokens, cfg.recent_window
-        sel = select_chunks(ix, q.view(H, G, D), cfg.token_budget - sink - recent, cfg.coarse_expand, cfg.gqa_reduce,
-                            cfg.radius_weight)
+        budget = cfg.token_budget - sink - recent
+        sel = select_chunks(ix, q.view(H, G, D), budget, cfg.expansion(budget), cfg.gqa_reduce, cfg.radius_weight)
         n = st.pooled_chunks   # the chunks past them lie in the recent window
         return units_to_token_mask(sel, torch.tensor(st.starts[:n]), torch.tensor(st.ends[:n]), S, sink, recent)
 
