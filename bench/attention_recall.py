@@ -221,9 +221,7 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
                     sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce,
                                              token_bound == "chunk")
                 else:
-                    # an adaptive budget (a tensor per head) keeps coarse_expand alone: that analysis predates the floor
-                    expand = cfg.coarse_expand if torch.is_tensor(budget) else cfg.expansion(budget)
-                    sel = select_chunks(index, q, budget, expand, cfg.gqa_reduce, cfg.radius_weight)
+                    sel = select_chunks(index, q, budget, cfg.expansion(budget), cfg.gqa_reduce, cfg.radius_weight)
             else:
                 mm = summarize_units(kbuf, slots, indptr, True)                          # [U, H, 2, d]
                 sel = select_pages(q, mm[:, :, 0].transpose(0, 1), mm[:, :, 1].transpose(0, 1), budget,

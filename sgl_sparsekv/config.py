@@ -107,9 +107,11 @@ class SparseKVConfig:
         """Largest retrieval unit (chunk or page) in tokens."""
         return self.chunk_max if self.method == "lychee" else self.page_size
 
-    def expansion(self, budget: int) -> float:
-        """The coarse expansion factor for a cut of ``budget`` retrieved tokens: ``coarse_expand``, raised so the
-        expanded units hold at least ``coarse_expand_min`` tokens."""
+    def expansion(self, budget):
+        """The coarse expansion factor for a cut of ``budget`` retrieved tokens (an int, or a tensor of one budget
+        per head): ``coarse_expand``, raised so the expanded units hold at least ``coarse_expand_min`` tokens."""
+        if hasattr(budget, "clamp"):
+            return (self.coarse_expand_min / budget.clamp(min=1)).clamp(min=self.coarse_expand)
         return max(self.coarse_expand, self.coarse_expand_min / max(budget, 1))
 
     def validate(self) -> None:

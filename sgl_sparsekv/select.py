@@ -6,9 +6,9 @@ The rule, shared by the torch reference here and the Triton kernels:
    not-yet-indexed tail). The rest of the budget, ``B``, goes to retrieved units.
 2. lychee: rank coarse units by their upper bound; expand them in that order until the expanded
    units hold ``coarse_expand * B`` tokens, and at least ``coarse_expand_min`` (``SparseKVConfig.expansion``
-   gives the factor that says both; callers pass it as ``coarse_expand``). Rank the fine clusters of the expanded units by their
-   bound and take them in order while the running token count stays <= ``B`` (stop at the first
-   that would overflow). All chunks of the taken clusters are attended.
+   gives the factor that says both; callers pass it as ``coarse_expand``). Rank the fine clusters of the
+   expanded units by their bound and take them in order while the running token count stays <= ``B``
+   (stop at the first that would overflow). All chunks of the taken clusters are attended.
    quest: score each page with sum_i max(q_i min_i, q_i max_i) and take the best ``B // page`` pages.
 3. Ties break by lower index (stable sort), so the reference and the kernels agree.
 """

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.patches.checks import check_model, check_server_args
@@ -323,3 +324,6 @@ def test_expansion_is_coarse_expand_raised_to_the_floor():
     c = SparseKVConfig.from_method("lychee")
     assert c.expansion(944) == 32.0 and c.expansion(176) * 176 == pytest.approx(30000)
     assert SparseKVConfig.from_method("lychee", {"coarse_expand_min": 0}).expansion(176) == 32.0
+    # one budget per head (attention-recall's adaptive budgets): the same rule per element
+    per_head = c.expansion(torch.tensor([[944], [176], [0]]))
+    assert per_head[:, 0].tolist() == pytest.approx([32.0, 30000 / 176, 30000.0])
