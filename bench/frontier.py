@@ -27,11 +27,12 @@ FIGURES = {"16K": (16000, 50, [FIDELITY["16K"], STRUCTURED_BUDGETS], "fidelity_q
 OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "lychee-ahead": "select_ahead",
            "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest",
            "quest-graphs": "Quest in CUDA graphs (quest-graphs)",
-           "lychee-fixed": "fixed 16-token chunks"}
+           "lychee-fixed": "fixed 16-token chunks", "lychee-flat": "every coarse unit expanded (lychee-flat)"}
 
-# the commit that last changed lychee's defaults (coarse_expand 32): a run of the default before it measured other
-# settings
-DEFAULTS_SINCE = {"lychee": "2815376"}
+# the commits that last changed lychee's defaults, per budget (None: every other): coarse_expand 32 (2815376), then
+# at budgets under 1024 the floor under the expansion (coarse_expand_min, f7d1b88); a run of the default before its
+# budget's commit measured other settings
+DEFAULTS_SINCE = {("lychee", None): "2815376", ("lychee", 256): "f7d1b88", ("lychee", 512): "f7d1b88"}
 
 
 @functools.cache
@@ -41,9 +42,10 @@ def committed_at(commit: str) -> int:
     return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
 
 
-def before_defaults(method: str, commit: str) -> bool:
-    """Whether a run of ``method`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
-    return method in DEFAULTS_SINCE and committed_at(commit.split(" ")[0]) < committed_at(DEFAULTS_SINCE[method])
+def before_defaults(method: str, commit: str, budget: int | None) -> bool:
+    """Whether a run of ``method`` at ``budget`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
+    since = DEFAULTS_SINCE.get((method, budget), DEFAULTS_SINCE.get((method, None)))
+    return since is not None and committed_at(commit.split(" ")[0]) < committed_at(since)
 
 
 def latest(*results: list, cells: set[str], samples: int = 50) -> dict:
@@ -68,7 +70,7 @@ def panel(ax, points: dict, of: int, title: str) -> None:
             ax.plot([b for b, _, _ in got], [n for _, n, _ in got], marker="o", label=label)
             for b, n, c in got:
                 ax.annotate(c, (b, n), fontsize=6, textcoords="offset points", xytext=(3, -9))
-            old = [(b, n) for b, n, c in got if before_defaults(method, c)]
+            old = [(b, n) for b, n, c in got if before_defaults(method, c, b)]
             if old:   # hollow: measured before the defaults last changed
                 ax.scatter(*zip(*old), s=30, color="white", edgecolors=ax.lines[-1].get_color(), zorder=3)
     ax.axhline(points["off", None][0], color="k", linestyle="--", label="dense")
@@ -96,7 +98,8 @@ def figure(name: str) -> None:
     cards = " or ".join(sorted({r["device"].removeprefix("NVIDIA ") for runs in results for r in runs}))
     fig.suptitle(f"Qwen2.5-Coder-0.5B at {name}, one {cards} per run, {samples} samples per task: each point "
                  "the latest run of its (option, budget), labelled with its commit;\nhollow: the default's runs "
-                 f"before its defaults last changed ({DEFAULTS_SINCE['lychee']})", fontsize=8)
+                 f"before its defaults last changed at that budget ({', '.join(sorted(set(DEFAULTS_SINCE.values())))})",
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(f"bench/results/{out}", dpi=80)
 
@@ -107,18 +110,22 @@ BUDGETS = (256, 512, 1024, 2048)
 
 
 def swept(runs: dict, method: str, budget: int) -> dict | None:
-    """The sweep's run of (method, budget): its own, or its stand-in's where that one served more seeds."""
+    """The sweep's run of (method, budget): its own, or its stand-in's where that one served more seeds; a run of
+    the current defaults before one of older defaults, however many seeds."""
     both = [r for r in (runs.get((method, budget)), runs.get((STAND_IN.get(method), budget))) if r]
-    return max(both, key=per_task, default=None)   # the first of equals: the method's own
+    current = [r for r in both if not before_defaults(r["method"], r["commit"], budget)]
+    return max(current or both, key=per_task, default=None)   # the first of equals: the method's own
 
 
 def stand_in_check(runs: dict) -> str:
-    """Each stand-in beside its method on the seeds both served: answers, paired, answer texts alike."""
-    said = []
+    """Each stand-in beside its method (a run of its current defaults) on the seeds both served: answers, paired,
+    answer texts alike."""
+    parts = []
     for method, other in STAND_IN.items():
+        said = []
         for b in BUDGETS:
             a, o = runs.get((method, b)), runs.get((other, b))
-            if a and o:
+            if a and o and not before_defaults(method, a["commit"], b):
                 k = min(per_task(a), per_task(o))
                 seeds = f" (seeds 0-{k - 1})" if per_task(a) != per_task(o) else ""
                 lost, gained = paired_on_shared_seeds(a, o)
@@ -126,7 +133,9 @@ def stand_in_check(runs: dict) -> str:
                 texts = f", {same['same']} of {same['of']} answer texts alike" if same["of"] else ""
                 said.append(f"at {b}{seeds} {correct({'counts': first_seeds(o, k)})} against "
                             f"{correct({'counts': first_seeds(a, k)})} ({gained} gained, {lost} lost{texts})")
-    return f"; `{STAND_IN['quest']}` beside eager Quest: {', '.join(said)}" if said else ""
+        if said:
+            parts.append(f"; `{other}` beside {'eager ' * (method == 'quest')}{SWEPT[method]}: {', '.join(said)}")
+    return "".join(parts)
 
 
 def best_runs(runs: list) -> dict:
@@ -151,12 +160,12 @@ def sweep_table(name: str) -> str:
         if r is None:
             return "-"
         n, commit = per_task(r), r["commit"].split(" ")[0]
-        notes = [commit] + ["older defaults"] * before_defaults(r["method"], commit) + [
+        notes = [commit] + ["older defaults"] * before_defaults(r["method"], commit, r["budget"]) + [
             f"`{r['method']}`"] * (r["method"] in STAND_IN.values())
         return f"{correct(r)}{f' of {10 * n}' if n != per else ''} ({r['kv_read']:.1%}, {', '.join(notes)})"
 
     def versus(lychee, quest):
-        if lychee is None or quest is None or before_defaults("lychee", lychee["commit"]):
+        if lychee is None or quest is None or before_defaults("lychee", lychee["commit"], lychee["budget"]):
             return "-"
         lost, gained = paired_on_shared_seeds(quest, lychee)
         return f"{gained} / {lost} (p {sign_test(lost, gained):.2f})"
@@ -179,7 +188,7 @@ def missing(name: str) -> list[str]:
 
     def word(method: str, budget: int) -> str | None:
         r = swept(runs, method, budget)
-        if r is None or before_defaults(r["method"], r["commit"]):
+        if r is None or before_defaults(r["method"], r["commit"], budget):
             return f"{STAND_IN.get(method, method)}@{budget}"
         return f"{r['method']}@{budget}:{per_task(r)}" if per_task(r) < per else None
 

@@ -715,6 +715,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
+                     ("gpu_serving_h200_check_a22444c.json", serving_table),
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
                      ("serving_profile_h200_b16_pair.json", step_profile_table),
                      ("serving_profile_h200_b16_pair_launch.json", step_profile_table),

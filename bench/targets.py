@@ -254,9 +254,11 @@ def tasks_worse(dense: dict, run: dict, alpha: float = 0.05) -> list[str]:
     return worse
 
 
-# Quest's pages and bound served through lychee's pools in CUDA graphs (bench.fidelity's quest-graphs): where a cell
-# has no run of eager Quest, or a shorter one, this stands in, in a graph server's time
-STAND_IN = {"quest": "quest-graphs"}
+# Where a cell has no run of a method's current defaults, or a shorter one, a method that selects the same stands in:
+# for Quest its pages and bound served through lychee's pools in CUDA graphs (quest-graphs), in a graph server's time;
+# for lychee every coarse unit expanded (lychee-flat), which the default does on prompts up to coarse_expand_min
+# (30000) tokens since f7d1b88, and so on every prompt of the sweeps
+STAND_IN = {"quest": "quest-graphs", "lychee": "lychee-flat"}
 
 
 def correct(run: dict, cells=None) -> int:

@@ -90,7 +90,8 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     """bench.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
     ones the later recorded); lychee against Quest counted on the seeds both served, and left out for a lychee run
     of older defaults; quest-graphs stands in for Quest where Quest has no run or a shorter one, and is set beside it
-    on the seeds both served."""
+    on the seeds both served; lychee-flat stands in for lychee, and a run of current defaults comes before one of
+    older defaults however many seeds it has."""
     import bench.frontier as fr
 
     tasks = [f"t{i}@8000" for i in range(10)]
@@ -104,11 +105,13 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
             run("lychee", 1024, "newest", 5, failed=[0]), run("quest", 1024, "new", 3, failed=[1, 2]),
             run("lychee", 512, "old", 5), run("quest", 512, "new", 5, failed=[1]),
             run("quest-graphs", 512, "new", 5, failed=[1, 3]), run("quest-graphs", 2048, "new", 5),
+            run("lychee", 256, "old", 5), run("lychee-flat", 256, "new", 3, failed=[1]),
             run("quest-graphs", 1024, "new", 5, failed=[2, 4])]
     best = fr.best_runs(runs)
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
-    monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5}.__getitem__)
+    monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5,
+                                                     "f7d1b88": 2}.__getitem__)
     lines = fr.sweep_table("8K").splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
     # Quest at 1024 through its stand-in, which served 5 seeds to eager Quest's 3: lychee lost seed 0, it 2 and 4
@@ -120,9 +123,11 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     # beside eager Quest at 1024 on seeds 0-2: eager lost 1 and 2, the stand-in 2
     assert ("`quest-graphs` beside eager Quest: at 512 48 against 49 (0 gained, 1 lost), at 1024 (seeds 0-2) 29 "
             "against 28 (1 gained, 0 lost);") in lines[0]
-    assert rows["256"] == "| 256 | - | - | - | - |"
-    # still to serve: every empty cell and the cell of older defaults, Quest's through its stand-in
-    assert fr.missing("8K") == ["lychee@256", "lychee@512", "lychee@2048", "quest-graphs@256",
+    # lychee at 256 through lychee-flat's 3 seeds, not the 5 of a run of older defaults
+    assert rows["256"] == "| 256 | 29 of 30 (5.0%, new, `lychee-flat`) | - | - | - |"
+    # still to serve: every empty cell and the cells of older defaults, through the stand-ins, and the rest of a
+    # cut run
+    assert fr.missing("8K") == ["lychee-flat@256:3", "lychee-flat@512", "lychee-flat@2048", "quest-graphs@256",
                                 "lychee-fixed@256", "lychee-fixed@512", "lychee-fixed@1024", "lychee-fixed@2048"]
     runs.pop()   # without the stand-in's 5 seeds at 1024, eager Quest's 3 are short of the length's 5: the rest
     assert "quest@1024:3" in fr.missing("8K")
