@@ -9,14 +9,12 @@ budget sweep's runs too: the same seeded samples, one dense run for both files).
 
 from __future__ import annotations
 
-import functools
-import subprocess
 import sys
 
 from bench.fidelity import per_task, shared, sign_test
 from bench.report import md_table
-from bench.targets import (FIDELITY, FIDELITY_8K, STAND_IN, STRUCTURED_BUDGETS, correct, first_seeds, load,
-                           paired_on_shared_seeds)
+from bench.targets import (DEFAULTS_SINCE, FIDELITY, FIDELITY_8K, STAND_IN, STRUCTURED_BUDGETS, before_defaults,
+                           committed_at, correct, first_seeds, load, paired_on_shared_seeds)
 from bench.tasks import STRUCTURED
 
 # name -> (prompt length, samples per task, the result files (the first holds every task), the figure)
@@ -28,24 +26,6 @@ OPTIONS = {"lychee": "lychee (default)", "lychee-box-0.25": "fine_bound box", "l
            "lychee-ahead-box-0.25": "select_ahead + box", "quest": "Quest",
            "quest-graphs": "Quest in CUDA graphs (quest-graphs)",
            "lychee-fixed": "fixed 16-token chunks", "lychee-flat": "every coarse unit expanded (lychee-flat)"}
-
-# the commits that last changed lychee's defaults, per budget (None: every other): coarse_expand 32 (2815376), then
-# at budgets under 1024 the floor under the expansion (coarse_expand_min, f7d1b88); a run of the default before its
-# budget's commit measured other settings
-DEFAULTS_SINCE = {("lychee", None): "2815376", ("lychee", 256): "f7d1b88", ("lychee", 512): "f7d1b88"}
-
-
-@functools.cache
-def committed_at(commit: str) -> int:
-    """The commit's time (0 where this checkout does not know it): which of two files' runs is the later."""
-    got = subprocess.run(["git", "show", "-s", "--format=%ct", commit], capture_output=True, text=True)
-    return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
-
-
-def before_defaults(method: str, commit: str, budget: int | None) -> bool:
-    """Whether a run of ``method`` at ``budget`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
-    since = DEFAULTS_SINCE.get((method, budget), DEFAULTS_SINCE.get((method, None)))
-    return since is not None and committed_at(commit.split(" ")[0]) < committed_at(since)
 
 
 def latest(*results: list, cells: set[str], samples: int = 50) -> dict:

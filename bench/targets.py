@@ -8,7 +8,9 @@ into the README; ``python -m bench.targets [targets10|targets11]`` prints them.
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
 import sys
 
 from bench.fidelity import paired, per_task, sign_test
@@ -254,6 +256,25 @@ def tasks_worse(dense: dict, run: dict, alpha: float = 0.05) -> list[str]:
     return worse
 
 
+# the commits that last changed lychee's defaults, per budget (None: every other): coarse_expand 32 (2815376), then
+# at budgets under 1024 the floor under the expansion (coarse_expand_min, f7d1b88); a run of the default before its
+# budget's commit measured other settings
+DEFAULTS_SINCE = {("lychee", None): "2815376", ("lychee", 256): "f7d1b88", ("lychee", 512): "f7d1b88"}
+
+
+@functools.cache
+def committed_at(commit: str) -> int:
+    """The commit's time (0 where this checkout does not know it): which of two files' runs is the later."""
+    got = subprocess.run(["git", "show", "-s", "--format=%ct", commit], capture_output=True, text=True)
+    return int(got.stdout.strip() or 0) if got.returncode == 0 else 0
+
+
+def before_defaults(method: str, commit: str, budget: int | None) -> bool:
+    """Whether a run of ``method`` at ``budget`` at ``commit`` ("C" or "C + D") predates the method's defaults."""
+    since = DEFAULTS_SINCE.get((method, budget), DEFAULTS_SINCE.get((method, None)))
+    return since is not None and committed_at(commit.split(" ")[0]) < committed_at(since)
+
+
 # Where a cell has no run of a method's current defaults, or a shorter one, a method that selects the same stands in:
 # for Quest its pages and bound served through lychee's pools in CUDA graphs (quest-graphs), in a graph server's time;
 # for lychee every coarse unit expanded (lychee-flat), which the default does on prompts up to coarse_expand_min
@@ -350,7 +371,8 @@ def structured_vs_quest() -> list[str]:
     points = (correct(at["lychee", 1024], cells) - correct(at["quest", 1024], cells)) / n * 100
 
     def curve(method):
-        return ", ".join(f"{correct(r, cells)} at {b} ({r['kv_read']:.1%} read)"
+        return ", ".join(f"{correct(r, cells)} at {b} ({r['kv_read']:.1%} read"
+                         f"{', older defaults' * before_defaults(m, r['commit'], b)})"
                          for (m, b), r in sorted(at.items(), key=lambda x: x[0][1] or 0) if m == method)
 
     dense = correct(at["off", None], cells)

@@ -93,6 +93,7 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     on the seeds both served; lychee-flat stands in for lychee, and a run of current defaults comes before one of
     older defaults however many seeds it has."""
     import bench.frontier as fr
+    import bench.targets
 
     tasks = [f"t{i}@8000" for i in range(10)]
 
@@ -110,8 +111,8 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     best = fr.best_runs(runs)
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
-    monkeypatch.setattr(fr, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5,
-                                                     "f7d1b88": 2}.__getitem__)
+    monkeypatch.setattr(bench.targets, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5,
+                                                        "f7d1b88": 2}.__getitem__)
     lines = fr.sweep_table("8K").splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
     # Quest at 1024 through its stand-in, which served 5 seeds to eager Quest's 3: lychee lost seed 0, it 2 and 4
