@@ -53,7 +53,7 @@ WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # weight (bench.fidelity's lychee-ahead-box-0.25)
 VARIANTS = {"lychee": {}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
-            "lychee-expand-8": {"coarse_expand": 8.0}, "lychee-rerank-2": {"rerank_factor": 2},
+            "lychee-expand-8": {"coarse_expand": 8.0, "coarse_expand_min": 0}, "lychee-rerank-2": {"rerank_factor": 2},
             **{f"lychee-every-{k}": {"select_every": k} for k in (2, 4)},
             "lychee-ahead": {"select_ahead": True}, "lychee-box": {"fine_bound": "box", "radius_weight": 1.0},
             "lychee-ahead-box": {"select_ahead": True, "fine_bound": "box"},

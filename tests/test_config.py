@@ -327,3 +327,25 @@ def test_expansion_is_coarse_expand_raised_to_the_floor():
     # one budget per head (attention-recall's adaptive budgets): the same rule per element
     per_head = c.expansion(torch.tensor([[944], [176], [0]]))
     assert per_head[:, 0].tolist() == pytest.approx([32.0, 30000 / 176, 30000.0])
+
+
+def test_benchmark_variants_named_expand_n_expand_n_times_the_budget():
+    """A bench variant named for its coarse expansion (lychee-expand-8, ...) keeps that factor at every budget: the
+    floor under the expansion would otherwise raise it to about 32 at budget 1024 and make it the default."""
+    from bench.attention_recall import VARIANTS as RECALL
+    from bench.fidelity import METHODS
+    from bench.gpu_serving import VARIANTS as SERVING
+
+    named = {**{f"fidelity {k}": extra for k, (_, extra) in METHODS.items()},
+             **{f"attention_recall {k}": v for k, v in RECALL.items()},
+             **{f"gpu_serving {k}": v for k, v in SERVING.items()}}
+    checked = 0
+    for name, extra in named.items():
+        factor = name.rpartition("expand-")[2]
+        if factor.replace(".", "").isdigit():
+            for budget in (256, 1024, 2048):
+                cfg = SparseKVConfig.from_method("lychee", {**extra, "token_budget": budget})
+                retrieved = (budget - cfg.sink_tokens - cfg.recent_window) * cfg.rerank_factor
+                assert cfg.expansion(retrieved) == float(factor), (name, budget)
+            checked += 1
+    assert checked >= 6   # fidelity's 8, 16, 32 and rerank-2-expand-8; attention_recall's 4, 8, 128; gpu_serving's 8
