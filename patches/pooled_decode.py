@@ -98,7 +98,8 @@ class PooledDecode:
         self.H, self.cap = H, cfg.token_budget
         self.retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window   # tokens retrieved past both
         f = cfg.rerank_factor
-        self.expand = cfg.expansion(self.retrieve * f)   # the cut's budget is the candidates' with a rerank
+        self.cut = self.retrieve * f   # the cut's budget: the candidates' with a rerank
+        self.expand = cfg.expansion(self.cut)
         self.max_bs = max_bs
 
         def i32(n):
@@ -232,8 +233,7 @@ class PooledDecode:
 
     def _table(self, rows, seq_lens, segments, states) -> list[list[int]]:
         """Per batch row: RANGE_FIELDS, then EXTRA."""
-        m, cfg = self.manager, self.cfg
-        retrieve = self.retrieve * cfg.rerank_factor   # the cut's budget: the candidates' with a rerank
+        m = self.manager
         every = self.every
         table = []
         so, room, reused = 0, self.scratch[0].shape[1], 0
@@ -255,7 +255,7 @@ class PooledDecode:
                     self._scratch_full()
                 if state is not None and state.lists is not None:   # its lists are not written this step: it
                     state.lists = (self, list_row, -every)            # keeps the row, selects at the next step
-            table.append(ranges + [row, S, retrieve, direct, fresh and not direct, list_row, tail_from])
+            table.append(ranges + [row, S, self.cut, direct, fresh and not direct, list_row, tail_from])
             reused += not (fresh or direct)
         self._count(seq_lens, direct_lens, reused)
         m.stats["dense_fallback_steps"] += len(direct_lens)
