@@ -137,6 +137,8 @@ def alongside(servers: dict, work, k: int, until: float | None = None):
     memory free when it starts, so each must cap its pool (``--max-total-tokens``), else the first takes the memory
     the others need. A failure, or SIGTERM, stops every server and starts no more. A server whose turn comes at
     ``until`` (a ``time.time()``) or later is not started and yields nothing."""
+    if not servers:   # every cell served already (fidelity's --after): nothing to start, nothing to stop
+        return
     stopping = threading.Event()
 
     def one(key):

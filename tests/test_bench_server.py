@@ -274,6 +274,14 @@ def test_alongside_starts_no_server_whose_turn_comes_after_until(tmp_path):
     assert started == ["a"] and all(s.proc is None for s in servers.values())
 
 
+def test_alongside_yields_nothing_without_servers():
+    """fidelity --after on a machine where earlier calls served every cell: no server to start, no work, no
+    error (a pool of no threads raised before)."""
+    from bench.server import alongside
+
+    assert dict(alongside({}, lambda key, srv: key, 2)) == {}
+
+
 def test_alongside_stops_every_server_when_one_fails(tmp_path):
     """A failure in one server's work stops the servers at work beside it and starts none of those waiting."""
     import pytest
