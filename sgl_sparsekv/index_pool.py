@@ -13,8 +13,8 @@ grafting decoded chunks only writes rows.
     chunk   fine [Ls, K, H] (local fine index)   start/length [K] (token positions)
 
 An index over all sparse layers at once (heads ``Ls * H``, layer-major) moves into a range as a ``PackedIndex``
-(:meth:`IndexPools.load`, centroid codes copied as they are) and out of it as a ``ClusterIndex``
-(:meth:`IndexPools.export`).
+(:meth:`IndexPools.load`, centroid codes copied as they are) and out of it the same way
+(:meth:`IndexPools.export_packed`).
 
 Requests that adopt one cached prefix index share one copy of it: a *shared segment*, loaded once and
 refcounted (:meth:`IndexPools.acquire` / :meth:`IndexPools.release`), which nothing writes while it lives. Each
@@ -32,7 +32,7 @@ import torch
 
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, quantize_box,
-                                recount, union)
+                                recount)
 
 
 class RangeAllocator:
@@ -265,29 +265,48 @@ class IndexPools:
     def read(self, *segments: PoolRanges) -> ClusterIndex:
         """A copy of the index the segments form together, as the kernels read it (``index.union``; cluster sizes as
         stored, so a shared segment's clusters count the chunks past the ones a request shares with it)."""
-        ix = self._export(segments[0])
-        for rng in segments[1:]:
-            ix = union(ix, self._export(rng))
-        return ix
+        return self._gather(segments).unpack()
 
     def export(self, *segments: PoolRanges, lengths: torch.Tensor | None = None) -> ClusterIndex:
         """:meth:`read`, its cluster sizes counted from the chunks the segments name (``lengths``, if the caller
         has them already): the request's own index."""
-        return recount(self.read(*segments), self.lengths(*segments) if lengths is None else lengths)
+        return self.export_packed(*segments, lengths=lengths).unpack()
+
+    def export_packed(self, *segments: PoolRanges, lengths: torch.Tensor | None = None) -> PackedIndex:
+        """:meth:`export` with its centroids as the pools hold them (codes and scales copied, not requantized):
+        what the index cache keeps of a finished request, in one copy per field."""
+        packed = self._gather(segments)
+        recount(packed.index, self.lengths(*segments) if lengths is None else lengths)
+        return packed
 
     def lengths(self, *segments: PoolRanges) -> torch.Tensor:
         """Tokens per chunk of the segments' chunks, in union order (on the device)."""
         return torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments])
 
-    def _export(self, rng: PoolRanges) -> ClusterIndex:
-        c, f, k = slice(rng.co, rng.co + rng.P), slice(rng.fo, rng.fo + rng.L), slice(rng.ko, rng.ko + rng.M)
-        j = self._join
-        return ClusterIndex(fine_mu=j(dequantize(self.fmu[:, f], self.fsc[:, f])), fine_r=j(self.fr[:, f]),
-                            fine_n=j(self.fn[:, f]), fine_tokens=j(self.ftok[:, f]), fine_parent=j(self.fpar[:, f]).long(),
-                            coarse_mu=j(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=j(self.cr[:, c]),
-                            coarse_n=j(self.cn[:, c]),
-                            coarse_tokens=j(self.ctok[:, c]), chunk_fine=j(self.kfine[:, k]).long(),
-                            fine_box=j(self._box(f)))
+    def _gather(self, segments: tuple[PoolRanges, ...]) -> PackedIndex:
+        """The segments' rows joined in ``index.union``'s order, each field copied once: a later segment's fine
+        parents count from the coarse rows before it, its chunks' clusters from the fine rows before it."""
+        coarse = [slice(r.co, r.co + r.P) for r in segments]
+        fine = [slice(r.fo, r.fo + r.L) for r in segments]
+        chunks = [slice(r.ko, r.ko + r.M) for r in segments]
+
+        def rows(pool, slices, offsets=None):
+            parts = [pool[:, s] for s in slices]
+            if offsets is not None:
+                parts = [p.long() + o for p, o in zip(parts, offsets)]
+            return self._join(torch.cat(parts, 1))
+
+        def before(sizes):
+            return [sum(sizes[:i]) for i in range(len(sizes))]
+
+        ix = ClusterIndex(fine_mu=rows(self.fmu, fine), fine_r=rows(self.fr, fine), fine_n=rows(self.fn, fine),
+                          fine_tokens=rows(self.ftok, fine),
+                          fine_parent=rows(self.fpar, fine, before([r.P for r in segments])),
+                          coarse_mu=rows(self.cmu, coarse), coarse_r=rows(self.cr, coarse),
+                          coarse_n=rows(self.cn, coarse), coarse_tokens=rows(self.ctok, coarse),
+                          chunk_fine=rows(self.kfine, chunks, before([r.L for r in segments])),
+                          fine_box=rows(self.fbox, fine))
+        return PackedIndex(ix, fine_scale=rows(self.fsc, fine), coarse_scale=rows(self.csc, coarse))
 
     def add_chunks(self, rng: PoolRanges, n: int) -> int | None:
         """Reserve the next ``n`` chunk rows of a range (moving it to a bigger range when it lacks room); the

@@ -281,7 +281,7 @@ class SparseKVManager:
         segs = state.segments
         cache = self.index_cache.put if finished else self.index_cache.add
         lengths = self.pools.lengths(*segs)
-        cache(state.units[:state.pooled_chunks], lengths, self.pools.export(*segs, lengths=lengths).pack())
+        cache(state.units[:state.pooled_chunks], lengths, self.pools.export_packed(*segs, lengths=lengths))
         self.pools.free(state.pool)
         if state.shared is not None:
             self._release_shared(state.shared[0])

@@ -13,7 +13,7 @@ import torch
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.attend import sparse_decode
-from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk
+from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk, recount, union
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
@@ -100,6 +100,51 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev, box):
         added = slice(rng.ko + rng.M - n, rng.ko + rng.M)
         assert pools.klen[added].tolist() == lengths[k0:k0 + n].tolist()
         assert pools.kstart[added].tolist() == starts[k0:k0 + n].tolist()
+
+
+@pytest.mark.parametrize("box", [False, True])
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_export_packed_is_the_union_of_the_segments_as_stored_and_owns_its_memory(dev, box):
+    """A request's release caches ``export_packed`` of its segments (a shared prefix's, then its own): the union of
+    the two indexes with centroid codes, scales and boxes as stored and cluster sizes counted from its chunks. It
+    shares no memory with the pools, and loads back as it was exported."""
+    gen = torch.Generator().manual_seed(2)
+    Ls, H_, d = 2, 3, 16
+    pools = IndexPools(PoolCapacity(coarse=64, fine=128, chunks=256), Ls, H_, d, dev, box=box)
+    packed, ranges, lengths = [], [], []
+    for m in (30, 12):
+        keys = torch.nn.functional.normalize(torch.randn(Ls * H_, m, d, generator=gen), dim=-1)
+        n = torch.randint(8, 17, (m,), generator=gen)
+        ix = build_index(keys, n, 2.0, 64, 5, chunk_boxes(keys, gen) if box else None).pack()
+        packed.append(ix)
+        ranges.append(pools.load(ix, torch.cumsum(n, 0) - n, n, room=4))
+        lengths.append(n)
+    # the shared segment's clusters count chunks past the request's share of it: the export counts its own
+    shared_len = 20
+    ranges[0].M = shared_len
+    lengths[0] = lengths[0][:shared_len]
+    got = pools.export_packed(*ranges)
+
+    a, b = (p.index for p in packed)
+    a = ClusterIndex(**{**vars(a), "chunk_fine": a.chunk_fine[:, :shared_len]})
+    want = recount(union(a, b), torch.cat(lengths))
+    for name, t in vars(want).items():
+        assert torch.equal(getattr(got.index, name).cpu(), t.to(getattr(got.index, name).dtype)), name
+    for name in ("fine_scale", "coarse_scale"):
+        assert torch.equal(getattr(got, name).cpu(), torch.cat([getattr(p, name) for p in packed], 1)), name
+    assert got.index.fine_parent.dtype == got.index.chunk_fine.dtype == torch.long
+    assert got.index.fine_mu.dtype == pools.fmu.dtype and got.index.fine_box.dtype == pools.fbox.dtype
+
+    before = {name: t.clone() for name, t in vars(got.index).items()}
+    for pool in (pools.fmu, pools.fsc, pools.fr, pools.ftok, pools.fn, pools.fpar, pools.fbox, pools.cmu, pools.csc,
+                 pools.cr, pools.ctok, pools.cn, pools.kfine):
+        pool.zero_()
+    assert all(torch.equal(getattr(got.index, name), t) for name, t in before.items())
+
+    total = torch.cat(lengths).to(dev)
+    again = pools.export_packed(pools.load(got, torch.cumsum(total, 0) - total, total, room=0))
+    for name, t in vars(got.index).items():
+        assert torch.equal(getattr(again.index, name), t), name
 
 
 class TwinWorld(World):
