@@ -698,7 +698,7 @@ def compare_fidelity_table(path: Path) -> str:
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
-LATEST = ("gpu_serving_h200_floor_shared.json", "gpu_serving_h200_random_latekeys.json",
+LATEST = ("gpu_serving_h200_packed_shared.json", "gpu_serving_h200_random_latekeys.json",
           "gpu_serving_h200_random_c1.json", "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json",
           "gpu_serving_h200_chain_tpot.json", "gpu_serving_h200_chain_shared.json",
           "fidelity_qwen2.5-coder-0.5b_16k_gpu.json", "fidelity_qwen2.5-coder-0.5b_30k_gpu.json",
@@ -716,6 +716,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
                      ("gpu_serving_h200_check_a22444c.json", serving_table),
+                     ("gpu_serving_h200_packed_shared.json", serving_table),
                      ("gpu_serving_h200_floor_shared.json", serving_table),
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
                      ("serving_profile_h200_b16_pair.json", step_profile_table),
@@ -860,6 +861,7 @@ def main(argv=None):
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table),
+                     ("host_prepare_h200_packed.json", host_table),
                      ("host_prepare_h200_staged.json", host_table), ("host_prepare_h100_keys.json", host_table),
                      ("host_prepare_h100_release.json", host_table),
                      ("host_prepare_h200_grafts.json", host_table),
