@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from bench.server import CPU_ARGS, Lineup, Server, alongside
-from bench.tasks import RULER, STRUCTURED, TASKS, make
+from bench.tasks import RULER, STRUCTURED, TASKS, make_all
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"}),
@@ -158,7 +158,8 @@ def ends(results: list[dict]) -> dict:
 
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
-        first: int = 0, parallel: int = 1, deadline: float | None = None, after: dict | None = None) -> dict:
+        first: int = 0, parallel: int = 1, deadline: float | None = None, after: dict | None = None,
+        rope_scale: float = 1.0) -> dict:
     """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task (a
     ``NAME@BUDGET:SEED`` word: from SEED on, its run saying so in ``first_seed``; ``after`` ((method, budget) ->
     seed, ``ends`` of earlier calls): from that seed on where it is later); ``save(res)`` is called after
@@ -168,9 +169,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     ``gpu_backend``: serve on the GPU with this attention backend (CUDA graphs on); else on the CPU.
     ``tp_size``: tensor parallelism on the GPU. ``parallel``: servers at work at once on the one GPU, each with
     its KV pool capped (``bench.server.alongside``). Each answer's digest is kept, so two runs of the same samples
-    (say TP 1 and TP 2) can be compared answer by answer."""
-    from transformers import AutoTokenizer
-
+    (say TP 1 and TP 2) can be compared answer by answer. ``rope_scale``: ``model_dir`` is the model with its RoPE
+    stretched that many times (``sgl_sparsekv.models.stretched``), served at that many times its context."""
     seeds = {}   # (name, budget) -> the seeds its run serves
     for name, own, start in map(cell, methods):
         for budget in ([None] if METHODS[name][0] == "off" else own or budgets):
@@ -179,9 +179,11 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             if not seeds[name, budget]:
                 print(f"{name}@{budget}: seeds {first}-{first + samples - 1} already served", flush=True)
     seeds = {key: r for key, r in seeds.items() if r}
-    tok = AutoTokenizer.from_pretrained(model_dir)
     every = sorted({s for r in seeds.values() for s in r})
-    data = {t: {n: {s: make(t, tok, n, s) for s in every} for n in lengths} for t in tasks}
+    keys = [(t, n, s) for t in tasks for n in lengths for s in every]
+    # a few samples are drawn here; a device call's hundreds of long ones on every core (see make_all)
+    drawn = make_all(model_dir, keys, workers=min(16, os.cpu_count() or 1) if len(keys) * max(lengths) > 2e6 else 1)
+    data = {t: {n: {s: drawn[t, n, s] for s in every} for n in lengths} for t in tasks}
     if gpu_backend:
         import torch
 
@@ -190,9 +192,10 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             server = server + ["--max-total-tokens", str(concurrency * (max(lengths) + 1024))]
     else:
         device, server = f"CPU ({platform.machine()})", CPU_SERVER
-    server = server + ["--context-length", str(CONTEXT.get(model, 8192))] + (
+    server = server + ["--context-length", str(int(CONTEXT.get(model, 8192) * rope_scale))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
-    res = {"model": model, "device": device, "lengths": lengths, "samples": samples, "first_seed": first,
+    res = {"model": model, **({"rope_scale": rope_scale} if rope_scale != 1 else {}), "device": device,
+           "lengths": lengths, "samples": samples, "first_seed": first,
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
            "runs": [], **({"servers_alongside": parallel} if parallel > 1 else {})}
     servers, eager = {}, {}
@@ -335,6 +338,9 @@ def append(new: dict, committed: dict, **fields) -> dict:
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
+    if new.get("rope_scale", 1) != committed.get("rope_scale", 1):
+        raise ValueError(f"RoPE stretched {new.get('rope_scale', 1)} times against the file's "
+                         f"{committed.get('rope_scale', 1)}: not the same model")
     runs = []
     for run in new["runs"]:
         run = {**run, "device": new["device"], "samples": run.get("samples", new["samples"]), "tasks": new["tasks"],
@@ -491,6 +497,9 @@ def main():
     ap.add_argument("--tp-size", type=int, default=1, help="on the GPU: tensor parallelism of every server")
     ap.add_argument("--parallel", type=int, default=1, help="on one GPU: servers at work at once (a small model "
                     "leaves the GPU idle through most of a server's start and much of its serving)")
+    ap.add_argument("--rope-scale", type=float, default=1.0, metavar="FACTOR",
+                    help="serve the model with its RoPE stretched FACTOR times by YaRN, at FACTOR times its context "
+                         "(Qwen2.5-Coder-0.5B past its 32K)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--compare", nargs=2, metavar="RESULT",
@@ -536,11 +545,13 @@ def main():
         with open(path) as f:
             after.append(json.load(f))
 
-    from sgl_sparsekv.models import prepare
+    from sgl_sparsekv.models import prepare, stretched
 
     model_dir = a.model_dir or f"models/{a.model}"
     if not (a.model_dir and os.path.exists(os.path.join(model_dir, "config.json"))):   # a ready HF dir is used as is
         prepare(a.model, model_dir)
+    if a.rope_scale != 1:
+        model_dir = str(stretched(model_dir, a.rope_scale))
 
     def save(res):
         if a.out:
@@ -549,7 +560,8 @@ def main():
     res = run(a.model, model_dir, a.methods, a.budgets, a.tasks, a.lengths, a.samples, save=save,
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
               cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel,
-              deadline=None if a.deadline is None else time.time() + a.deadline, after=ends(after))
+              deadline=None if a.deadline is None else time.time() + a.deadline, after=ends(after),
+              rope_scale=a.rope_scale)
     if a.plot:
         plot(res, a.plot)
 

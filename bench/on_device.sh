@@ -15,6 +15,7 @@
 #    between them (the machine is released after 30 s idle); on a fresh machine, where the model is converted and
 #    every kernel compiled first, a 30K call of 60 samples with 135 s to its deadline kept nothing: a short call
 #    belongs on a warm machine;
+#    past 30K: add --rope-scale 2 and LENGTH 64000 (the model stretched by YaRN to 64K, its own result file);
 #    the committed 16K and 30K files hold LENGTH 16000 and 30000: another length draws other samples, which
 #    `python -m bench.fidelity --append RESULT FILE --commit --gpu --note` refuses to add to them)
 #   (serve: METHODS, then one workload or "" for none, then the TPOT contexts and any further gpu_serving flags;

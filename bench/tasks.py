@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import random
 import re
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -225,3 +227,30 @@ STRUCTURED = ("json_value", "json_count", "yaml_value", "code_return")
 
 def make(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None = None) -> Sample:
     return TASKS[task](tokenizer, n_tokens, random.Random(f"{task}/{n_tokens}/{seed}"), depth)
+
+
+def make_all(model_dir: str, keys: list[tuple[str, int, int]], workers: int = 1) -> dict:
+    """``make`` of every (task, n_tokens, seed) in ``keys`` with the tokenizer of ``model_dir``, spread over
+    ``workers`` processes: drawing and tokenizing one 30K prompt takes about 0.15 s (64K: 0.4 s), so the 500 of a
+    device call would otherwise hold the GPU idle for minutes."""
+    if workers <= 1:
+        _load_tokenizer(model_dir)
+        return {key: _make(key) for key in keys}
+    # spawned, not forked: the caller may hold CUDA or server threads a fork would copy half-way
+    with ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _load_tokenizer, (model_dir,)) as pool:
+        return dict(zip(keys, pool.map(_make, keys, chunksize=max(1, len(keys) // (4 * workers)))))
+
+
+_tokenizer = None
+
+
+def _load_tokenizer(model_dir: str) -> None:
+    global _tokenizer
+    from transformers import AutoTokenizer
+
+    _tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+
+def _make(key: tuple[str, int, int]) -> Sample:
+    task, n_tokens, seed = key
+    return make(task, _tokenizer, n_tokens, seed)

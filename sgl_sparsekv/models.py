@@ -113,6 +113,31 @@ def prepare(name: str, out_dir: str | os.PathLike) -> Path:
     return out
 
 
+def stretched(model_dir: str | os.PathLike, factor: float) -> Path:
+    """``model_dir`` with its RoPE stretched ``factor`` times by YaRN, Qwen2.5's recipe to read past the length it
+    was trained at: a sibling directory whose config says so (its context ``factor`` times the trained one), every
+    other file linked to the original's."""
+    src = Path(model_dir)
+    cfg = json.loads((src / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise SystemExit(f"{src}: RoPE is already {rope['rope_type']!r}; stretch the model as trained")
+    if factor <= 1:
+        raise SystemExit(f"a RoPE stretch of {factor}: it must be above 1")
+    trained = cfg["max_position_embeddings"]
+    out = src.with_name(f"{src.name}-yarn{factor:g}")
+    out.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": rope.get("rope_theta", cfg.get("rope_theta")),
+                              "factor": factor, "original_max_position_embeddings": trained}
+    # SGLang reads the context from here once the rope names its original length
+    cfg["max_position_embeddings"] = int(trained * factor)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(MODELS))

@@ -183,8 +183,9 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
     from bench import fidelity
     from bench.tasks import make
 
-    asked = {make(t, smollm2_tokenizer, 300, seed).prompt: seed
-             for t in ("passkey", "niah_single") for seed in range(5)}
+    drawn = {(t, 300, seed): make(t, smollm2_tokenizer, 300, seed) for t in ("passkey", "niah_single")
+             for seed in range(5)}
+    asked = {x.prompt: key[2] for key, x in drawn.items()}
     started = []
 
     class FakeServer(StartedServer):
@@ -197,6 +198,8 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
             return {"choices": [{"text": " no idea", "logprobs": {"tokens": [], "top_logprobs": []}}]}
 
     monkeypatch.setattr(fidelity, "Server", FakeServer)
+    # drawn already: the second before the deadline is the serving's, not the tokenizer's on a busy machine
+    monkeypatch.setattr(fidelity, "make_all", lambda model_dir, keys, workers: {k: drawn[k] for k in keys})
     t0 = time.time()
     res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee"], [256], ["passkey", "niah_single"], [300], 5,
                        concurrency=2, deadline=time.time() + 1.0)
@@ -469,3 +472,70 @@ def test_budget_256_ranks_every_fine_cluster_of_a_30k_prompt(name):
         order = torch.sort(bound[h], descending=True, stable=True).indices
         taken = order[torch.cumsum(ix.fine_tokens[h, order], 0) <= retrieved]
         assert sorted(ours[h].nonzero().flatten().tolist()) == sorted(taken.tolist())
+
+
+def test_stretched_model_is_read_by_sglang_as_yarn_at_factor_times_its_context(tmp_path, smollm2_dir):
+    """``--rope-scale``'s model: a sibling directory whose config SGLang reads as YaRN over the trained length, at
+    twice the context, every other file linked; a model already stretched, or a factor of 1, is refused."""
+    from transformers import AutoConfig
+
+    from sglang.srt.utils.hf_transformers.common import get_context_length, get_rope_config
+    from sgl_sparsekv.models import stretched
+
+    src = tmp_path / "smollm2"
+    src.mkdir()
+    for f in Path(smollm2_dir).iterdir():
+        if f.name == "config.json":
+            (src / f.name).write_text(f.read_text())
+        else:
+            (src / f.name).symlink_to(f)
+    trained = json.loads((src / "config.json").read_text())["max_position_embeddings"]
+    out = stretched(src, 2)
+    assert out == tmp_path / "smollm2-yarn2" and (out / "config.json").read_text() != (src / "config.json").read_text()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert (out / "tokenizer.json").resolve() == (Path(smollm2_dir) / "tokenizer.json").resolve()
+    cfg = AutoConfig.from_pretrained(out)
+    theta, rope = get_rope_config(cfg)
+    assert get_context_length(cfg) == 2 * trained
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("yarn", 2, trained)
+    assert theta == get_rope_config(AutoConfig.from_pretrained(src))[0]
+    assert stretched(src, 2) == out   # again: the same directory, nothing left from before in the way
+    with pytest.raises(SystemExit, match="already 'yarn'"):
+        stretched(out, 2)
+    with pytest.raises(SystemExit, match="above 1"):
+        stretched(src, 1)
+
+
+def test_a_stretched_run_serves_at_factor_times_the_context_and_keeps_to_its_own_file(monkeypatch, smollm2_dir):
+    """``rope_scale``: every server's context is that many times the model's, the result says so, and its runs are
+    refused by a file of the model as trained (other answers of other positions)."""
+    from bench import fidelity
+
+    started = []
+
+    class FakeServer(StartedServer):
+        def __init__(self, *args, extra=(), **kwargs):
+            started.append(list(extra))
+
+        def complete(self, prompt, max_tokens, logprobs=None):
+            return {"choices": [{"text": "no", "logprobs": {"tokens": ["no"], "top_logprobs": [{"no": -0.1}]}}]}
+
+    monkeypatch.setattr(fidelity, "Server", FakeServer)
+    res = fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey"], [300], 1, rope_scale=2)
+    ctx = started[0][started[0].index("--context-length") + 1]
+    assert ctx == str(2 * fidelity.CONTEXT["smollm2"]) and res["rope_scale"] == 2
+    plain = fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey"], [300], 1)
+    assert "rope_scale" not in plain
+    assert started[1][started[1].index("--context-length") + 1] == str(fidelity.CONTEXT["smollm2"])
+    with pytest.raises(ValueError, match="RoPE stretched 2 times against the file's 1"):
+        fidelity.append(res, plain, commit="c", gpu="g", note="n")
+
+
+def test_samples_drawn_in_worker_processes_are_the_ones_drawn_here(smollm2_dir, smollm2_tokenizer):
+    """``make_all`` over two spawned workers gives every (task, length, seed) the sample ``make`` draws here."""
+    from bench.tasks import make, make_all
+
+    keys = [(t, n, s) for t in ("passkey", "json_value", "variable_tracking") for n in (400, 900) for s in (0, 3)]
+    here = {(t, n, s): make(t, smollm2_tokenizer, n, s) for t, n, s in keys}
+    assert make_all(smollm2_dir, keys, workers=2) == here == make_all(smollm2_dir, keys)
+    assert len({x.prompt for x in here.values()}) == len(keys)
