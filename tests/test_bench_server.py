@@ -59,7 +59,7 @@ def test_sigterm_while_starting_stops_the_server_and_its_children(tmp_path):
 
 
 def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
-    """A test's timeout on a driver (bench.fidelity, bench.gpu_stress) must not orphan the driver's server:
+    """A test's timeout on a driver (bench.fidelity, bench.stress) must not orphan the driver's server:
     ``subprocess.run`` would SIGKILL the driver, and the server, in a session of its own, would keep its CPU or
     GPU for the rest of the run. ``run_driver`` sends SIGTERM first."""
     import pytest

@@ -1,19 +1,21 @@
-"""GPU stress run: --sparse-kv lychee under mixed load, aborts and memory pressure, checked back to idle.
+"""Stress run: --sparse-kv lychee under mixed load, aborts and memory pressure, checked back to idle.
 
-    python3 -m bench.gpu_stress --model /tmp/m8b --out $OUT/stress.json          # < 10 minutes on an H100
-    python3 -m bench.gpu_stress --model /tmp/tiny --small --out /tmp/stress.json  # the `-m gpu` test
-    python3 -m bench.gpu_stress --model /tmp/tiny --small --tp-size 2 --out /tmp/stress.json   # two GPUs
-    python3 -m bench.gpu_stress --model /tmp/tiny --small --page-size 16 --out /tmp/stress.json  # paged KV
+    python3 -m bench.stress --model /tmp/m8b --out $OUT/stress.json                  # < 10 minutes on an H100
+    python3 -m bench.stress --model /tmp/tiny --size small --out /tmp/stress.json    # the `-m gpu` test
+    python3 -m bench.stress --model /tmp/tiny --size small --tp-size 2 --out /tmp/stress.json   # two GPUs
+    python3 -m bench.stress --model /tmp/tiny --size small --page-size 16 --out /tmp/stress.json  # paged KV
+    python3 -m bench.stress --model models/smollm2 --size cpu --out /tmp/stress.json  # the CPU engine (CI's test)
 
-One lychee server (CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
-small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads:
-prompts of 1K-64K random token ids, half of them over two shared prefixes; ``max_new_tokens`` 1 and
-long; streamed requests whose client disconnects mid-decode and requests aborted through
-``/abort_request``. It passes when every request that was not aborted returns all its tokens, the
-server stays healthy, and once traffic ends ``/server_info`` reads idle without any further request
-(no live request state, no pool row in use, every unit reference accounted for) and empty after
-``/flush_cache``, on every TP rank, and the ranks cut and grafted the same units. Then greedy tokens of prompts
-within the budget are compared with a dense server.
+One lychee server (on the GPU with CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
+small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads: prompts of
+random token ids (1K-64K; 1K-4K with ``--size small``; 512-2K at budget 256 on the CPU), half of them over two
+shared prefixes (32K, 2K, 1K), each with a question of its own (its index adopted as a shared segment);
+``max_new_tokens`` 1 and long; streamed requests whose client disconnects mid-decode and requests aborted through
+``/abort_request``. It passes when every request that was not aborted returns all its tokens, the server stays
+healthy, and once traffic ends ``/server_info`` reads idle without any further request (no live request state, no
+pool row in use, every unit reference accounted for) and empty after ``/flush_cache``, on every TP rank, and the
+ranks cut and grafted the same units. Then greedy tokens of prompts within the budget are compared with a dense
+server's.
 """
 
 from __future__ import annotations
@@ -29,29 +31,42 @@ import requests
 
 from bench.server import Server
 
-BUDGET = 1024
+# per size: prompt lengths (the last but one is the shared prefixes'), requests, client threads, output lengths,
+# budget, KV pool and context in tokens
+SIZES = {"full": dict(lengths=[1024, 4096, 16384, 32768, 65536], requests=72, concurrency=24, outs=[16, 64, 256],
+                      budget=1024, pool=262144, context=70000),
+         "small": dict(lengths=[1024, 2048, 4096], requests=24, concurrency=24, outs=[16, 64, 256], budget=1024,
+                       pool=40000, context=70000),
+         # the CPU engine: SmolLM2 (8K context); 8 requests of up to 2K run at once over a pool of 8K tokens, and 96
+         # new tokens take a request past its recent window (64) into grafts
+         "cpu": dict(lengths=[512, 1024, 2048], requests=24, concurrency=8, outs=[16, 96], budget=256, pool=8192,
+                     context=4096)}
 
 
-def server_args(small: bool, tp_size: int = 1, page_size: int = 1) -> list[str]:
-    return ["--tp-size", str(tp_size), "--page-size", str(page_size), "--load-format", "dummy", "--grammar-backend",
-            "none", "--sampling-backend", "pytorch", "--attention-backend", "triton", "--cuda-graph-max-bs", "8",
-            "--max-running-requests", "32", "--max-total-tokens", "40000" if small else "262144", "--context-length",
-            "70000", "--mem-fraction-static", "0.8", "--enable-metrics"]
+def server_args(size: str, tp_size: int = 1, page_size: int = 1) -> list[str]:
+    z = SIZES[size]
+    common = ["--tp-size", str(tp_size), "--page-size", str(page_size), "--max-running-requests", "32",
+              "--max-total-tokens", str(z["pool"]), "--context-length", str(z["context"]), "--enable-metrics"]
+    if size == "cpu":   # bench.server.CPU_ARGS: the CPU engine, torch_native, real weights
+        return common
+    return common + ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
+                     "--attention-backend", "triton", "--cuda-graph-max-bs", "8", "--mem-fraction-static", "0.8"]
 
 
-def plan(seed: int, n: int, small: bool) -> list[dict]:
+def plan(seed: int, size: str) -> list[dict]:
+    z = SIZES[size]
     rng = random.Random(seed)
-    lengths = [1024, 2048, 4096] if small else [1024, 4096, 16384, 32768, 65536]
+    lengths = z["lengths"]
     prefixes = [[rng.randrange(1000, 30_000) for _ in range(lengths[-2])] for _ in range(2)]
     jobs = []
-    for i in range(n):
-        length = rng.choice(lengths)
-        if i % 2 and length > len(prefixes[0]):
-            ids = prefixes[i % 4 // 2] + [rng.randrange(1000, 30_000) for _ in range(length - len(prefixes[0]))]
+    for i in range(z["requests"]):
+        if i % 2:   # a prefix and a question of its own: the prefix is over 3/4 of the prompt, so its index is adopted
+            prefix = prefixes[i % 4 // 2]
+            ids = prefix + [rng.randrange(1000, 30_000) for _ in range(rng.randrange(16, len(prefix) // 4))]
         else:
-            ids = [rng.randrange(1000, 30_000) for _ in range(length)]
+            ids = [rng.randrange(1000, 30_000) for _ in range(rng.choice(lengths))]
         kind = rng.choice(["complete", "complete", "one", "disconnect", "abort"])
-        out = 1 if kind == "one" else rng.choice([16, 64, 256])
+        out = 1 if kind == "one" else rng.choice(z["outs"])
         jobs.append({"i": i, "ids": ids, "kind": kind, "max_new_tokens": out})
     return jobs
 
@@ -113,10 +128,11 @@ def idle_checks(ranks: list[dict], flushed: list[dict]) -> dict:
     }
 
 
-def greedy_short(srv: Server, seed: int) -> list[list[int]]:
+def greedy_short(srv: Server, seed: int, budget: int) -> list[list[int]]:
+    """Greedy tokens of three prompts that stay within the budget with their 32 new tokens."""
     rng = random.Random(seed)
     out = []
-    for n in (200, 500, 800):
+    for n in (budget * 200 // 1024, budget * 500 // 1024, budget * 800 // 1024):
         ids = [rng.randrange(1000, 30_000) for _ in range(n)]
         out.append(srv.generate_ids(ids, 32, ignore_eos=True)["output_ids"])
     return out
@@ -126,25 +142,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--requests", type=int, default=72)
-    ap.add_argument("--concurrency", type=int, default=24)
-    ap.add_argument("--small", action="store_true", help="a tiny model and short prompts (the -m gpu test)")
+    ap.add_argument("--size", choices=list(SIZES), default="full",
+                    help="full (on an H100 in minutes), small (a tiny model: the -m gpu test), cpu (CI's test)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=1, help="SGLang's KV page (the paged allocator and radix tree)")
     a = ap.parse_args()
     import torch
 
-    n = 24 if a.small else a.requests
-    jobs = plan(a.seed, n, a.small)
-    res = {"device": torch.cuda.get_device_name(), "settings": {k: v for k, v in vars(a).items() if k != "out"},
-           "gpus": torch.cuda.device_count(), "server_args": server_args(a.small, a.tp_size, a.page_size),
-           "budget": BUDGET}
-    cfg = {"token_budget": BUDGET}
-    with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=False, log_path=f"{a.out}.lychee.log",
+    cpu, z = a.size == "cpu", SIZES[a.size]
+    jobs = plan(a.seed, a.size)
+    res = {"device": "cpu" if cpu else torch.cuda.get_device_name(),
+           "settings": {k: v for k, v in vars(a).items() if k != "out"},
+           "gpus": 0 if cpu else torch.cuda.device_count(), "server_args": server_args(a.size, a.tp_size, a.page_size),
+           "budget": z["budget"]}
+    cfg = {"token_budget": z["budget"]}
+    with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(a.concurrency) as pool:
+        with ThreadPoolExecutor(z["concurrency"]) as pool:
             results = list(pool.map(lambda j: run_job(srv.url, j), jobs))
         res["load_s"] = round(time.perf_counter() - t0, 1)
         res["healthy_after"] = requests.get(srv.url + "/health_generate", timeout=60).status_code == 200
@@ -155,10 +171,10 @@ def main():
         res["stats_idle"], res["stats_flushed"] = idle, flushed
         res["metrics_exported"] = "sglang:sparse_kv_index_pool_fill" in requests.get(srv.url + "/metrics",
                                                                                      timeout=60).text
-        res["greedy_lychee"] = greedy_short(srv, a.seed)
-    with Server(a.model, "off", None, extra=res["server_args"], cpu=False, log_path=f"{a.out}.dense.log",
+        res["greedy_lychee"] = greedy_short(srv, a.seed, z["budget"])
+    with Server(a.model, "off", None, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.dense.log",
                 timeout=900) as srv:
-        res["greedy_dense"] = greedy_short(srv, a.seed)
+        res["greedy_dense"] = greedy_short(srv, a.seed, z["budget"])
     res["results"] = results
     counts = {}
     for r in results:

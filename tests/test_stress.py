@@ -1,0 +1,51 @@
+"""The stress run (bench/stress.py) in its small forms: on the GPU a tiny dummy model, on the CPU engine SmolLM2 at
+budget 256; a few dozen requests with aborts, disconnects, evictions and shared prefixes; every check of the full run
+must hold. With --page-size 16 SGLang allocates KV and matches prefixes in pages of 16 tokens, while sparse-kv reads
+KV by token slot: the same checks cover it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.server import run_driver
+
+ROOT = Path(__file__).resolve().parents[1]
+MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp, page_size", [(1, 1), (2, 1), (1, 16)])
+def test_stress_small(tmp_path, tp, page_size):
+    import torch
+
+    if not MKMODEL.exists():
+        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"needs {tp} GPUs")
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
+    out = tmp_path / "stress.json"
+    p = run_driver([sys.executable, "-m", "bench.stress", "--size", "small", "--model", str(model), "--out", str(out),
+                    "--tp-size", str(tp), "--page-size", str(page_size)], timeout=900, cwd=ROOT)
+    res = json.loads(out.read_text())
+    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
+    assert all(st["grafts"] > 0 and st["index_reused"] > 0 for st in res["stats_idle"])
+    heads = [tuple(st["kv_heads"]) for st in res["stats_idle"]]
+    assert len(set(heads)) == tp, heads   # the tiny model's 2 KV heads: each rank holds its own
+
+
+@pytest.mark.e2e
+def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
+    out = tmp_path / "stress.json"
+    p = run_driver([sys.executable, "-m", "bench.stress", "--size", "cpu", "--model", smollm2_dir, "--out", str(out)],
+                   timeout=900, cwd=ROOT)
+    res = json.loads(out.read_text())
+    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    st = res["stats_idle"][0]
+    assert res["counts"]["complete"]["sent"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
+    # requests over a shared prefix adopted its cached index (a shared segment) and clustered only their own chunks
+    assert st["index_reused"] > 0 and st["index_extends"] > 0
