@@ -5,6 +5,10 @@
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
+#   BASE=DIR bash bench/on_device.sh host NAME   # bench.host_prepare into $OUT/NAME.json, first with DIR's files
+#   (host: DIR, an untracked folder of the tree, holds older versions of some files at their tree paths, e.g.
+#    DIR/sgl_sparsekv/index_pool.py; they run first, into $OUT/NAME_base.json, then this tree's, then both again,
+#    so one call compares them on one card and sees its spread)
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
@@ -46,6 +50,16 @@ case "$1" in
     name=$2; shift 2
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
     timeout 560 python3 -m bench.serving_profile --model /tmp/m8b --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
+  host)
+    name=$2; shift 2
+    host_run() { timeout 130 python3 -m bench.host_prepare --out "$OUT/$1.json" "${@:2}" 2>&1 | head -1; }
+    swap() {   # exchange the files under BASE with the tree's
+      (cd "$BASE" && find . -type f) | while read -r f; do
+        cp "$f" /tmp/host_swap && cp "$BASE/$f" "$f" && cp /tmp/host_swap "$BASE/$f"; done; }
+    for turn in 1 2; do
+      if [ -n "${BASE:-}" ]; then swap; host_run "${name}_base$turn" "$@"; swap; fi
+      host_run "$name$turn" "$@"
+    done ;;
   breakdown)
     name=$2; shift 2
     timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
@@ -61,6 +75,6 @@ case "$1" in
       --deadline $(( left - 60 )) ${after[@]:+--after "${after[@]}"} "$@" 2>&1 | tail -30
     mkdir -p /tmp/fidelity && cp "$OUT/$name.json" /tmp/fidelity/ 2>/dev/null ;;   # for a later call's AFTER
   *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
-          "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS]" >&2
+          "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" >&2
      exit 2 ;;
 esac
