@@ -141,8 +141,7 @@ def pays() -> str:
     """The README's opening summary: where lychee wins and where it loses, every number read from the results the
     tables below it read (``python -m bench.glance --pays``)."""
     shared = [r["shared_prefix"]["throughput_ratio"] for r in map(load, SHARED_RUNS) if "shared_prefix" in r]
-    rnd, t = load(RANDOM)["random_ids"], load(TPOT)
-    same = [t["lychee"]["tpot_bs1"][str(c)]["tpot_ms"] / t["dense"]["tpot_bs1"][str(c)]["tpot_ms"] for c in LONG]
+    rnd, same = load(RANDOM)["random_ids"], load(TPOT)["tpot_ratio_lychee_over_dense"]
     ab, abt = load(SHARED_AHEAD_BOX)["lychee-ahead-box_over_dense"]["shared"], load(TPOT_AHEAD_BOX)
     at30 = load(FIDELITY["30K"])["runs"]
     ahead30, dense30 = latest_run(at30, "lychee-ahead-box-0.25"), latest_run(at30, "off", None)
@@ -166,7 +165,7 @@ def pays() -> str:
         f"{min(shared):.2f}x-{max(shared):.2f}x dense's throughput over the default's last {len(shared)} runs "
         f"({shared[-1]:.2f}x in the latest) and random 32K prompts at {rnd['throughput_ratio']:.2f}x (median "
         f"inter-token latency {rnd['median_itl_ratio']:.2f}x); at batch 1 lychee's step costs "
-        + " / ".join(f"{x:.2f}x" for x in same)
+        + " / ".join(f"{same[str(c)]:.2f}x" for c in LONG)
         + " dense's step at the same length at 32K / 64K / 126K. With the two options `select_ahead` and `fine_bound` "
         "box together the shared prefix runs at "
         f"{ab['throughput_ratio']:.2f}x (steady decode at batch 16 {ab['steady_decode_ratio']:.2f}x), a batch-1 step "

@@ -16,6 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
 
 
+def stress(tmp_path, *args) -> dict:
+    """``bench.stress`` with ``args``; its result, after asserting that every check passed."""
+    out = tmp_path / "stress.json"
+    p = run_driver([sys.executable, "-m", "bench.stress", *args, "--out", str(out)], timeout=900, cwd=ROOT)
+    res = json.loads(out.read_text())
+    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    return res
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp, page_size", [(1, 1), (2, 1), (1, 16)])
 def test_stress_small(tmp_path, tp, page_size):
@@ -27,11 +36,8 @@ def test_stress_small(tmp_path, tp, page_size):
         pytest.skip(f"needs {tp} GPUs")
     model = tmp_path / "tiny"
     subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
-    out = tmp_path / "stress.json"
-    p = run_driver([sys.executable, "-m", "bench.stress", "--size", "small", "--model", str(model), "--out", str(out),
-                    "--tp-size", str(tp), "--page-size", str(page_size)], timeout=900, cwd=ROOT)
-    res = json.loads(out.read_text())
-    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    res = stress(tmp_path, "--size", "small", "--model", str(model), "--tp-size", str(tp),
+                 "--page-size", str(page_size))
     assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
     assert all(st["grafts"] > 0 and st["index_reused"] > 0 for st in res["stats_idle"])
     heads = [tuple(st["kv_heads"]) for st in res["stats_idle"]]
@@ -40,11 +46,7 @@ def test_stress_small(tmp_path, tp, page_size):
 
 @pytest.mark.e2e
 def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
-    out = tmp_path / "stress.json"
-    p = run_driver([sys.executable, "-m", "bench.stress", "--size", "cpu", "--model", smollm2_dir, "--out", str(out)],
-                   timeout=900, cwd=ROOT)
-    res = json.loads(out.read_text())
-    assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
+    res = stress(tmp_path, "--size", "cpu", "--model", smollm2_dir)
     st = res["stats_idle"][0]
     assert res["counts"]["complete"]["sent"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
     # requests over a shared prefix adopted its cached index (a shared segment) and clustered only their own chunks
