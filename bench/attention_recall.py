@@ -216,7 +216,10 @@ def own_masks(cfg: SparseKVConfig, ids, layers, positions, table, token_bound: s
                 budget = torch.as_tensor(budgets[l], dtype=torch.float32, device=dev)[:, None] - sink - recent
             if cfg.method == "lychee":
                 ukeys = summarize_units(kbuf, slots, indptr, False).transpose(0, 1)     # [H, U, d]
-                index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+                box = (summarize_units(kbuf, slots, indptr, True).transpose(0, 1)        # [H, U, 2, d]
+                       if cfg.fine_bound == "box" else None)
+                index = build_index(ukeys, ends - starts, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters,
+                                    chunk_box=box)
                 if token_bound:
                     sel = token_bound_chunks(index, kbuf, starts, ends, q, budget, cfg.gqa_reduce,
                                              token_bound == "chunk")
@@ -339,7 +342,7 @@ def per_query(cfg: SparseKVConfig, ids, layers, positions, table, variant: str =
         base, k = NEXTS[variant]
         masks = {key: with_successors(m, k)
                  for key, m in per_query(cfg, ids, layers, positions, table, base, budgets)[1].items()}
-    elif variant == "lychee-ahead":
+    elif variant in ("lychee-ahead", "lychee-ahead-box-0.25"):
         masks = masks_selected_at(cfg, {t: t - 1 for t in positions}, ids, layers, table)
     elif oracle := next((o for o in ORACLES if variant.endswith(o)), None):
         masks = oracle_masks(cfg, ids, layers, positions, table, ORACLES[oracle])
@@ -540,6 +543,10 @@ VARIANTS = {
     "lychee-previous-query": {},
     # selection one step ahead as served (select_ahead): the step before's own selection, and the token decoded since
     "lychee-ahead": {},
+    # fine_bound box (bf16 boxes of each fine cluster's token keys, ranked at the default radius_weight), alone and
+    # with select_ahead (the names bench.fidelity gives their runs): the options the README offers for dense's answers
+    "lychee-box-0.25": {"fine_bound": "box"},
+    "lychee-ahead-box-0.25": {"fine_bound": "box"},
     **{v: {} for v in NEXTS},
     "lychee-sentence-query": {},
     "lychee-adaptive-budget": {},

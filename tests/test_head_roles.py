@@ -375,6 +375,55 @@ def test_successor_masks_add_the_next_tokens_of_each_selected_one():
         assert int(want.sum()) > int(mask.sum())
 
 
+def test_box_variants_take_fine_clusters_in_the_order_of_their_key_boxes():
+    """``lychee-box-0.25`` (bench.attention_recall): every fine cluster clear of the sink and the recent window that
+    the step takes ranks, by the bound of its tokens' key box (computed here from the keys), at or above every one
+    it leaves; ``lychee-ahead-box-0.25`` attends to that selection of the step before plus the token decoded since."""
+    from bench.attention_recall import VARIANTS, own_masks, per_query, unit_bounds, window
+    from sgl_sparsekv.chunking import Chunker
+    from sgl_sparsekv.index import box_bound, box_from, build_index
+    from sgl_sparsekv.summary import summarize_units
+
+    T, d = PLANTED[0], PLANTED[3]
+    table, ids, layers = planted_layers(1)
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 256, **VARIANTS["lychee-box-0.25"]})
+    t = T - 1
+    masks = own_masks(cfg, ids, layers, [t - 1, t], table)
+    starts, ends = unit_bounds(Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table), ids[:t + 1])
+    sink, recent, _ = window(cfg, t + 1)
+    ranked = 0
+    for l in range(cfg.dense_layers, len(layers)):
+        q, k, _ = layers[l]
+        H = k.shape[0]
+        kbuf = k[:, :t + 1].transpose(0, 1)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(torch.int32)
+        slots = torch.arange(int(ends[-1]), dtype=torch.int32)   # the chunked tokens (the tail is uncut)
+        # the clusters the variant's index forms (k-means over the chunks' mean keys), boxed here from their keys
+        ix = build_index(summarize_units(kbuf, slots, indptr, False).transpose(0, 1), ends - starts,
+                         cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+        taken = masks[(l, t)][:, starts]                       # [H, chunks]: a chunk is taken whole
+        clear = (starts >= sink) & (ends <= t + 1 - recent)
+        for h in range(H):
+            at = ix.chunk_fine[h]
+            lo = torch.stack([k[h, a:b].amin(0) for a, b in zip(starts.tolist(), ends.tolist())])
+            hi = torch.stack([k[h, a:b].amax(0) for a, b in zip(starts.tolist(), ends.tolist())])
+            L = int(at.max()) + 1
+            clo = torch.full((L, d), float("inf")).index_reduce_(0, at, lo, "amin")
+            chi = torch.full((L, d), float("-inf")).index_reduce_(0, at, hi, "amax")
+            bound = box_bound(q[h * 2:h * 2 + 2, t][None], box_from(clo, chi)[None], cfg.radius_weight,
+                              cfg.gqa_reduce)[0][at]        # per chunk, its cluster's bound
+            inner = clear & torch.isin(at, at[~clear], invert=True)   # clusters with no chunk in the windows
+            sel, rest = bound[inner & taken[h]], bound[inner & ~taken[h]]
+            assert sel.numel() and rest.numel()
+            assert float(sel.min()) >= float(rest.max())
+            ranked += 1
+    assert ranked == (len(layers) - cfg.dense_layers) * layers[0][1].shape[0]
+    ahead = SparseKVConfig.from_method("lychee", {"token_budget": 256, **VARIANTS["lychee-ahead-box-0.25"]})
+    _, got = per_query(ahead, ids, layers, [t], table, "lychee-ahead-box-0.25")
+    for (l, s), m in got.items():
+        assert s == t and torch.equal(m[:, :t], masks[(l, t - 1)]) and bool(m[:, t].all())
+
+
 def test_oracle_masks_bound_every_selection_at_the_same_read():
     """``lychee-oracle-*`` (bench.attention_recall), the ceiling a selection is measured against: per KV head the
     budget's tokens (or lychee's whole chunks) holding the most of the group's mean dense attention. Lychee's
