@@ -14,10 +14,12 @@ os.environ.setdefault("SPARSEKV_DEBUG", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # bench/ and tests/ helpers; appended so PyPI packages win
 
-if os.environ.get("TRITON_INTERPRET") == "1":   # each launch's signature, compiled for sm_90 at the end
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import kernel_bounds
     import kernel_launches
 
-    kernel_launches.install()
+    kernel_bounds.install()     # every load and store inside the launch's tensors
+    kernel_launches.install()   # each launch's signature, compiled for sm_90 at the end
 
 
 def pytest_collection_modifyitems(config, items):
