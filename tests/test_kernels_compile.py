@@ -1,5 +1,9 @@
 """Every Triton kernel launched by the tests before this one (in the interpreter, on a machine without a GPU) also
-compiles for an H100/H200 (sm_90) without spilling registers: tests/kernel_launches.py."""
+compiles for an H100/H200 (sm_90) without spilling registers: tests/kernel_launches.py. With SPARSEKV_SM90_REPORT=FILE
+it writes each launch's registers there, e.g. to compare a kernel change's register use without a GPU:
+    SPARSEKV_SM90_REPORT=regs.json python -m pytest -q tests/test_kernels.py tests/test_kernels_compile.py \
+        -k "pool or sm90"
+"""
 
 import json
 import os
@@ -32,6 +36,8 @@ def test_every_interpreted_launch_compiles_for_sm90_without_spills(tmp_path):
                          capture_output=True, text=True, timeout=1200)
     assert got.returncode == 0, got.stderr[-3000:]
     results = json.loads(got.stdout)
+    if os.environ.get("SPARSEKV_SM90_REPORT"):   # per launch: kernel, constexprs, registers, spilled bytes
+        Path(os.environ["SPARSEKV_SM90_REPORT"]).write_text(json.dumps(results, indent=1))
     failed = [f"{r['kernel']} {r['constexprs']}: {r['error']}" for r in results if "error" in r]
     assert not failed, "\n".join(failed)
     spilled = [f"{r['kernel']} {r['constexprs']}: {r['spill_bytes']} bytes" for r in results
