@@ -24,6 +24,7 @@ NOT = "not measured"
 BOX_SERVING, BOX_SELECTION = "gpu_serving_h200_box_dense.json", "selection_breakdown_box_h200.json"
 SHARED64_C32, BUILD = "gpu_serving_h100_default.json", "index_build_h100_fine1.json"
 QWEN_SHAPE = "gpu_serving_h200_qwen05b_roles.json"
+BOX_RECALL = "attention_recall_qwen_box_16k.json"
 
 
 def at(*results: dict) -> str:
@@ -51,7 +52,14 @@ def attention_mass() -> list[str]:
     m = load(RECALL)["mean_over_tasks"]
     lychee = (f"{m['lychee@1024']['mass_recall']:.3f} (Quest {m['quest@1024']['mass_recall']:.3f}; the best 1024 "
               f"tokens keep {m['lychee-oracle-tokens@1024']['mass_recall']:.3f})")
-    return ["attention mass kept at budget 1024, 16K, four tasks", "1.000", lychee, NOT, NOT, NOT]
+    box = load(BOX_RECALL)
+    b = box["mean_over_tasks"]
+
+    def cpu(variant):
+        return f"{b[variant]['mass_recall']:.3f} (lychee {b['lychee']['mass_recall']:.3f} in the same run) {at(box)}"
+
+    return ["attention mass kept at budget 1024, 16K, four tasks", "1.000", lychee,
+            *(cpu(COLUMNS[c]) for c in list(COLUMNS)[2:])]
 
 
 def ratio(x: dict) -> str:
