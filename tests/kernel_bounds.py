@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import bisect
 import gc
-import inspect
 
 import numpy as np
+
+from kernel_launches import bound_args
 
 
 class OutOfBounds(IndexError):
@@ -76,10 +77,8 @@ def _storage_spans(addresses: list[int], name: str) -> list[tuple[int, int, str]
 def _spans(ifn, args, kwargs) -> list[tuple[int, int, str]]:
     import torch
 
-    params = list(inspect.signature(ifn.fn).parameters)
-    named = list(zip(params, args)) + [(k, v) for k, v in kwargs.items() if k in params]
     spans = []
-    for name, v in named:
+    for name, v in bound_args(ifn, args, kwargs).items():
         v = getattr(v, "base", v)   # triton's TensorWrapper (a reinterpreted dtype)
         if torch.is_tensor(v):
             s = v.untyped_storage()

@@ -28,14 +28,20 @@ def _constexpr(p: inspect.Parameter) -> bool:
     return "constexpr" in str(p.annotation)
 
 
+def bound_args(ifn, args, kwargs) -> dict:
+    """{parameter name: value} of a launch of ``ifn`` (a ``triton.runtime.interpreter.InterpretedFunction``)."""
+    params = inspect.signature(ifn.fn).parameters
+    return dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+
+
 def record(ifn, args, kwargs) -> None:
-    """Note one interpreted launch of ``ifn`` (a ``triton.runtime.interpreter.InterpretedFunction``)."""
+    """Note one interpreted launch of ``ifn``."""
     import torch
     import triton.language as tl
 
     fn = ifn.fn
     params = inspect.signature(fn).parameters
-    bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    bound = bound_args(ifn, args, kwargs)
     plain = set(ifn.kwargs.get("do_not_specialize") or ())
     unaligned = set(ifn.kwargs.get("do_not_specialize_on_alignment") or ())
     sig, const, div = {}, {}, []
