@@ -17,8 +17,10 @@ sys.path.append(str(ROOT))  # bench/ and tests/ helpers; appended so PyPI packag
 if os.environ.get("TRITON_INTERPRET") == "1":
     import kernel_bounds
     import kernel_launches
+    import poison_empty
 
     kernel_bounds.install()     # every load and store inside the launch's tensors
+    poison_empty.install()      # no read of memory the plugin allocated and never wrote
     kernel_launches.install()   # each launch's signature, compiled for sm_90 at the end
 
 

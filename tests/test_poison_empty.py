@@ -1,0 +1,28 @@
+"""The plugin's uninitialized allocations are poisoned in the CPU tests (tests/poison_empty.py), the tests' own not."""
+
+import os
+
+import pytest
+import torch
+
+import poison_empty
+from sgl_sparsekv.kernels.select import scratch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="installed with the interpreter")
+
+
+def test_the_plugins_scratch_comes_poisoned_and_a_tests_allocation_does_not():
+    bounds, picks = scratch(1 << 16, 2, "cpu")   # 512 KiB each: fresh pages, zero on the CPU without the poison
+    assert torch.isinf(bounds).all() and torch.isinf(picks).all()
+    assert not torch.isinf(torch.zeros(1 << 16)).any()
+    mine = torch.empty(1 << 16)
+    assert not (torch.isinf(mine).all() and mine.numel())   # torch.empty outside the plugin is left alone
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.int32, -0x55555556), (torch.int64, -0x5555555555555556),
+                                          (torch.int8, -0x56), (torch.uint8, 0xAA), (torch.bool, True)])
+def test_integers_get_a_pattern_no_index_survives(dtype, value):
+    t = poison_empty._poison(torch.empty(5, dtype=dtype))
+    assert (t == value).all()
+    strided = poison_empty._poison(torch.empty(4, 6, dtype=dtype)[:, ::2])
+    assert (strided == value).all()
