@@ -79,7 +79,6 @@ def _spans(ifn, args, kwargs) -> list[tuple[int, int, str]]:
 
     spans = []
     for name, v in bound_args(ifn, args, kwargs).items():
-        v = getattr(v, "base", v)   # triton's TensorWrapper (a reinterpreted dtype)
         if torch.is_tensor(v):
             s = v.untyped_storage()
             spans.append((s.data_ptr(), s.data_ptr() + s.nbytes(), name))
