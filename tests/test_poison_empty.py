@@ -11,12 +11,15 @@ from sgl_sparsekv.kernels.select import scratch
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="installed with the interpreter")
 
 
-def test_the_plugins_scratch_comes_poisoned_and_a_tests_allocation_does_not():
+def test_the_plugins_scratch_comes_poisoned_and_a_tests_allocation_does_not(monkeypatch):
     bounds, picks = scratch(1 << 16, 2, "cpu")   # 512 KiB each: fresh pages, zero on the CPU without the poison
     assert torch.isinf(bounds).all() and torch.isinf(picks).all()
-    assert not torch.isinf(torch.zeros(1 << 16)).any()
-    mine = torch.empty(1 << 16)
-    assert not (torch.isinf(mine).all() and mine.numel())   # torch.empty outside the plugin is left alone
+    poisoned = []
+    monkeypatch.setattr(poison_empty, "_poison", poisoned.append)
+    mine = torch.empty(1 << 16)   # outside the plugin: left alone
+    assert poisoned == []
+    scratch(4, 2, "cpu")
+    assert len(poisoned) == 2 and mine.shape == (1 << 16,)
 
 
 @pytest.mark.parametrize("dtype, value", [(torch.int32, -0x55555556), (torch.int64, -0x5555555555555556),
