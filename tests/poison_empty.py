@@ -30,23 +30,19 @@ def _ours() -> bool:
     return sys._getframe(2).f_globals.get("__name__", "").startswith(PACKAGE)
 
 
+def _poisoning(alloc):
+    """``alloc`` (an allocator, or ``Tensor.new_empty`` with its tensor first) poisoning what the plugin asks of it."""
+    def poisoned(*args, **kwargs):
+        t = alloc(*args, **kwargs)
+        return _poison(t) if _ours() else t
+
+    poisoned.poisoned = True
+    return poisoned
+
+
 def install() -> None:
     """Poison the plugin's uninitialized allocations from now on."""
     if getattr(torch.empty, "poisoned", False):
         return
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return _poison(t) if _ours() else t
-
-    def poisoned_empty_like(*args, **kwargs):
-        t = empty_like(*args, **kwargs)
-        return _poison(t) if _ours() else t
-
-    def poisoned_new_empty(self, *args, **kwargs):
-        t = new_empty(self, *args, **kwargs)
-        return _poison(t) if _ours() else t
-
-    poisoned_empty.poisoned = True
-    torch.empty, torch.empty_like, torch.Tensor.new_empty = poisoned_empty, poisoned_empty_like, poisoned_new_empty
+    torch.empty, torch.empty_like = _poisoning(torch.empty), _poisoning(torch.empty_like)
+    torch.Tensor.new_empty = _poisoning(torch.Tensor.new_empty)
