@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (../shared/gpu/README.md), from the repository root, with .gpu-bundle carried:
-#   bash bench/on_device.sh tests                                  # pytest -m gpu, log in $OUT/gpu_tests.log
+#   bash bench/on_device.sh tests [PYTEST ARGS]                    # pytest -m gpu, log in $OUT/gpu_tests.log
+#   (tests: on a fresh machine the whole suite outlasts a call, FlashInfer's first builds and the stress tests'
+#    servers included: send `tests tests --ignore tests/test_stress.py`, then `tests tests/test_stress.py`)
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
 #   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
@@ -30,8 +32,10 @@ source .gpu-bundle/setup.sh > /dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/gpu.txt"
 case "$1" in
-  tests)
-    timeout 560 python3 -m pytest -m gpu -q tests -p no:cacheprovider --durations=12 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+  tests)   # further words go to pytest in place of "tests": split the suite over calls on a fresh machine
+    shift
+    timeout 560 python3 -m pytest -m gpu -q "${@:-tests}" -p no:cacheprovider --durations=12 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -25 ;;
   serve)
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
@@ -74,7 +78,7 @@ case "$1" in
       --lengths "$length" --samples 50 --concurrency 32 --budgets 1024 --methods $methods --out "$OUT/$name.json" \
       --deadline $(( left - 60 )) ${after[@]:+--after "${after[@]}"} "$@" 2>&1 | tail -30
     mkdir -p /tmp/fidelity && cp "$OUT/$name.json" /tmp/fidelity/ 2>/dev/null ;;   # for a later call's AFTER
-  *) echo "usage: bash bench/on_device.sh tests | serve NAME METHODS WORKLOAD [CONTEXTS...] | breakdown NAME [FLAGS]" \
-          "| fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" >&2
+  *) echo "usage: bash bench/on_device.sh tests [PYTEST ARGS] | serve NAME METHODS WORKLOAD [CONTEXTS...]" \
+          "| breakdown NAME [FLAGS] | fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" >&2
      exit 2 ;;
 esac

@@ -717,6 +717,8 @@ def main(argv=None):
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
                      ("gpu_serving_h200_check_a22444c.json", serving_table),
                      ("gpu_serving_h200_packed_shared.json", serving_table),
+                     ("gpu_serving_h200_gpu_queue_shared.json", serving_table),
+                     ("selection_breakdown_shared_packs_h200.json", hybrid_breakdown_table),
                      ("gpu_serving_h200_floor_shared.json", serving_table),
                      ("gpu_serving_h200_pagetable_tpot.json", methods_serving_table),
                      ("serving_profile_h200_b16_pair.json", step_profile_table),

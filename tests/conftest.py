@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +23,17 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     kernel_bounds.install()     # every load and store inside the launch's tensors
     poison_empty.install()      # no read of memory the plugin allocated and never wrote
     kernel_launches.install()   # each launch's signature, compiled for sm_90 at the end
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config):
+    # `timeout` stops a run with SIGTERM, which would end pytest at once and leave the servers of a running
+    # test (sessions of their own) holding the GPU; as an interrupt, the test's cleanup stops them and pytest
+    # still reports what passed and which test was cut
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_collection_modifyitems(config, items):
