@@ -8,9 +8,9 @@
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
 #   BASE=DIR bash bench/on_device.sh host NAME   # bench.host_prepare into $OUT/NAME.json, first with DIR's files
-#   (host: DIR, an untracked folder of the tree, holds older versions of some files at their tree paths, e.g.
-#    DIR/sgl_sparsekv/index_pool.py; they run first, into $OUT/NAME_base.json, then this tree's, then both again,
-#    so one call compares them on one card and sees its spread)
+#   (host, breakdown: DIR, an untracked folder of the tree, holds older versions of some files at their tree paths,
+#    e.g. DIR/sgl_sparsekv/index_pool.py; they run first, into $OUT/NAME_base.json (host: NAME_base1), then this
+#    tree's (host: then both again), so one call compares them on one card (host: and sees its spread))
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
@@ -31,6 +31,9 @@ set -uo pipefail
 source .gpu-bundle/setup.sh > /dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/gpu.txt"
+swap() {   # exchange the files under BASE with the tree's
+  (cd "$BASE" && find . -type f) | while read -r f; do
+    cp "$f" /tmp/base_swap && cp "$BASE/$f" "$f" && cp /tmp/base_swap "$BASE/$f"; done; }
 case "$1" in
   tests)   # further words go to pytest in place of "tests": split the suite over calls on a fresh machine
     shift
@@ -56,17 +59,20 @@ case "$1" in
     timeout 560 python3 -m bench.serving_profile --model /tmp/m8b --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
   host)
     name=$2; shift 2
-    host_run() { timeout 130 python3 -m bench.host_prepare --out "$OUT/$1.json" "${@:2}" 2>&1 | head -1; }
-    swap() {   # exchange the files under BASE with the tree's
-      (cd "$BASE" && find . -type f) | while read -r f; do
-        cp "$f" /tmp/host_swap && cp "$BASE/$f" "$f" && cp /tmp/host_swap "$BASE/$f"; done; }
+    host_run() {   # its summary line, else the log's end
+      timeout 130 python3 -m bench.host_prepare --out "$OUT/$1.json" "${@:2}" > "/tmp/$1.log" 2>&1
+      grep -m1 '^{"device"' "/tmp/$1.log" || tail -5 "/tmp/$1.log"; }
     for turn in 1 2; do
       if [ -n "${BASE:-}" ]; then swap; host_run "${name}_base$turn" "$@"; swap; fi
       host_run "$name$turn" "$@"
     done ;;
   breakdown)
     name=$2; shift 2
-    timeout 560 python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
+    limit=560; [ -n "${BASE:-}" ] && limit=270
+    if [ -n "${BASE:-}" ]; then
+      swap; timeout $limit python3 -m bench.selection_breakdown --out "$OUT/${name}_base.json" "$@" 2>&1 | tail -20
+      swap; fi
+    timeout $limit python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
   fidelity)
     name=$2; length=$3; methods=$4; shift 4
     model=${MODEL:-qwen2.5-coder-0.5b}
