@@ -76,6 +76,32 @@ def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
     assert time.time() - t0 < 60
 
 
+def test_sigterm_to_the_test_run_lets_a_running_driver_stop_its_server(tmp_path):
+    """`timeout` stops a GPU test run with SIGTERM. The test session turns it into KeyboardInterrupt
+    (tests/conftest.py), so a test inside ``run_driver`` still stops its driver, which stops its server; by
+    default SIGTERM would end pytest at once and leave the server holding the GPU."""
+    import threading
+
+    import pytest
+
+    from bench.server import run_driver
+
+    log = tmp_path / "server.log"
+    code = DRIVER.format(root=str(ROOT), log=str(log), launcher=FAKE_LAUNCHER)
+
+    def stop_once_started():
+        deadline = time.time() + 60
+        while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_driver([sys.executable, "-c", code], timeout=120)
+    child = int(log.read_text().split()[0])
+    assert not alive(child), "the server's child outlived the interrupted test"
+
+
 # a fake launcher that becomes healthy at once on the port it is given
 FAKE_HEALTHY = textwrap.dedent("""
     import http.server, sys
