@@ -68,9 +68,9 @@ case "$1" in
     done ;;
   breakdown)
     name=$2; shift 2
-    limit=560; [ -n "${BASE:-}" ] && limit=270
+    limit=560
     if [ -n "${BASE:-}" ]; then
-      swap; timeout $limit python3 -m bench.selection_breakdown --out "$OUT/${name}_base.json" "$@" 2>&1 | tail -20
+      limit=270; swap; timeout $limit python3 -m bench.selection_breakdown --out "$OUT/${name}_base.json" "$@" 2>&1 | tail -20
       swap; fi
     timeout $limit python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
   fidelity)

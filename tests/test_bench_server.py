@@ -41,17 +41,21 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def child_pid(log: Path, wait_s: float = 60) -> int:
+    """The pid the fake launcher wrote into its server's log, once it is there (the driver creates the log just
+    after printing "starting": later, on a busy machine)."""
+    deadline = time.time() + wait_s
+    while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.1)
+    return int(log.read_text().split()[0])
+
+
 def test_sigterm_while_starting_stops_the_server_and_its_children(tmp_path):
     log = tmp_path / "server.log"
     code = DRIVER.format(root=str(ROOT), log=str(log), launcher=FAKE_LAUNCHER)
     driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert driver.stdout.readline().strip() == "starting"
-    deadline = time.time() + 30
-    # the fake launcher wrote its child's pid (the driver creates the log just after "starting": not yet, on a busy
-    # machine)
-    while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
-        time.sleep(0.1)
-    child = int(log.read_text().split()[0])
+    child = child_pid(log, wait_s=30)
     assert alive(child)
     driver.send_signal(signal.SIGTERM)
     assert driver.wait(60) == 128 + signal.SIGTERM
@@ -90,9 +94,7 @@ def test_sigterm_to_the_test_run_lets_a_running_driver_stop_its_server(tmp_path)
     code = DRIVER.format(root=str(ROOT), log=str(log), launcher=FAKE_LAUNCHER)
 
     def stop_once_started():
-        deadline = time.time() + 60
-        while not (log.exists() and log.read_text().strip()) and time.time() < deadline:
-            time.sleep(0.1)
+        child_pid(log)
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=stop_once_started, daemon=True).start()
