@@ -75,7 +75,7 @@ def test_run_driver_timeout_lets_the_driver_stop_its_server(tmp_path):
     t0 = time.time()
     with pytest.raises(subprocess.TimeoutExpired):
         run_driver([sys.executable, "-c", code], timeout=8)
-    child = int(log.read_text().split()[0])   # the fake scheduler, started before the timeout
+    child = child_pid(log, wait_s=0)   # the fake scheduler, started before the timeout
     assert not alive(child), "the server's child outlived the driver"
     assert time.time() - t0 < 60
 
@@ -100,7 +100,7 @@ def test_sigterm_to_the_test_run_lets_a_running_driver_stop_its_server(tmp_path)
     threading.Thread(target=stop_once_started, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         run_driver([sys.executable, "-c", code], timeout=120)
-    child = int(log.read_text().split()[0])
+    child = child_pid(log, wait_s=0)
     assert not alive(child), "the server's child outlived the interrupted test"
 
 
