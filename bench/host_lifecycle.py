@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
 
-from bench.host_prepare import VOCAB, pooled_manager
+from bench.host_prepare import VOCAB, device_name, pooled_manager, sync
 
 QUESTION = 256
 
@@ -43,23 +42,18 @@ def main():
                     help="that work as this many kernels: a few thousand fill the launch queue, as a prefill's do")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
     cycles_per_ms = 0
     if dev == "cuda" and a.busy_ms:
         torch.cuda._sleep(1_000_000)   # first call loads the kernel
-        sync()
+        sync(dev)
         t = time.perf_counter()
         torch.cuda._sleep(10_000_000)
-        sync()
+        sync(dev)
         cycles_per_ms = 10_000_000 / (1000 * (time.perf_counter() - t))
 
     def busy():
         """Queue ``--busy-ms`` of GPU work, then time the host from here."""
-        sync()
+        sync(dev)
         if cycles_per_ms:
             for _ in range(a.busy_kernels):
                 torch.cuda._sleep(int(a.busy_ms * cycles_per_ms / a.busy_kernels))
@@ -85,7 +79,7 @@ def main():
         t2 = busy()
         m.finish_extend([row], [True], r2t, lambda l: k)
         t3 = time.perf_counter()
-        sync()
+        sync(dev)
         return 1000 * (t1 - t0), 1000 * (time.perf_counter() - t2), 1000 * (t3 - t2)
 
     def end(row):
@@ -93,7 +87,7 @@ def main():
         m.request_freed(row)
         m.apply_frees()
         t1 = time.perf_counter()
-        sync()
+        sync(dev)
         return 1000 * (time.perf_counter() - t0), 1000 * (t1 - t0)
 
     # the first build compiles and warms the kernels: its prompt differs, so the next one builds again
@@ -109,7 +103,7 @@ def main():
         drops.append(drop)
         drops_host.append(drop_host)
     assert m.stats["index_reused"] == a.reps, m.stats
-    res = {"device": torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.machine()})",
+    res = {"device": device_name(dev),
            "context": a.context, "layers": a.layers, "units": len(m.states[a.reps + 1].units), "reps": a.reps,
            "adopt_prepare_extend_ms": round(statistics.median(adopt_host), 2),
            "adopt_place_index_ms": round(statistics.median(adopt_place), 2),

@@ -547,6 +547,19 @@ def host_table(path: Path) -> str:
     return line + f" (`{path.relative_to(RESULTS.parent.parent)}`)"
 
 
+def cold_host_table(path: Path) -> str:
+    """bench.host_prepare's runs with warm and cold caches (--evict-mb), medians per step by phase."""
+    r = json.loads(path.read_text())
+    phases = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "table_upload")
+    return md_table(f"Host time of a decode step's preparation with warm and cold caches, {r['device']}, batch "
+                    f"{r['batch']} at {r['context']} tokens, {r['layers']} layers, commit {r['commit']}: {r['what']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["MB read before each step", "step p10 / median / p90 (ms)", "frees", "cuts", "placement",
+                     "grafts (their check on most steps)", "table and upload"],
+                    [(x["evict_mb"], " / ".join(str(x["step_ms"][k]) for k in ("p10", "median", "p90")),
+                      *(x["phase_median_ms"][k] for k in phases)) for x in r["runs"]])
+
+
 def load_table(path: Path) -> str:
     """Serving under load, lychee only: completion, errors and dense fallbacks per workload (gpu_serving_load_*)."""
     r = json.loads(path.read_text())
@@ -863,6 +876,7 @@ def main(argv=None):
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table),
+                     ("host_prepare_cpu_cold.json", cold_host_table),
                      ("host_prepare_h200_packed.json", host_table),
                      ("host_prepare_h200_staged.json", host_table), ("host_prepare_h100_keys.json", host_table),
                      ("host_prepare_h100_release.json", host_table),
