@@ -157,19 +157,19 @@ class Chunker:
         """``structure_cuts(table.cut_strength(ids))`` in plain Python, for the few tokens a decode step cuts
         from (a numpy call costs more than the whole window here)."""
         st, lead, top_id = self._strength, self._lead, len(self._strength) - 1
-        ids = [min(max(int(t), 0), top_id) for t in ids]
         n, lo, hi = len(ids), self.chunk_min, self.chunk_max
-        strength = [st[t] for t in ids]
-        for j in range(n - 1):
-            if strength[j] < SPACE and lead[ids[j + 1]]:
-                strength[j] = SPACE
 
-        def best(s: int) -> int:   # the first strongest cut after tokens s+lo-1 .. s+hi-1 (past the end: -1)
-            top, arg = -1, 0
-            for k, j in enumerate(range(s + lo - 1, min(s + hi, n))):
-                if strength[j] > top:
-                    top, arg = strength[j], k
-            return s + lo + arg if top > NONE else s + hi
+        def best(s: int) -> int:
+            """The first strongest cut after tokens s+lo-1 .. s+hi-1 (none past the end; s+hi if all are NONE): only
+            those tokens' strengths are read, each with its successor's leading space."""
+            top, end = NONE, s + hi
+            for j in range(s + lo - 1, min(s + hi, n)):
+                v = st[min(max(int(ids[j]), 0), top_id)]
+                if v < SPACE and j + 1 < n and lead[min(max(int(ids[j + 1]), 0), top_id)]:
+                    v = SPACE
+                if v > top:
+                    top, end = v, j + 1
+            return end
 
         ends, s = [], 0
         while s + hi + 1 <= n:
