@@ -554,9 +554,10 @@ def cold_host_table(path: Path) -> str:
     return md_table(f"Host time of a decode step's preparation with warm and cold caches, {r['device']}, batch "
                     f"{r['batch']} at {r['context']} tokens, {r['layers']} layers, commit {r['commit']}: {r['what']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["MB read before each step", "step p10 / median / p90 (ms)", "frees", "cuts", "placement",
+                    ["tree", "MB read before each step", "step p10 / median / p90 (ms)", "frees", "cuts", "placement",
                      "grafts (their check on most steps)", "table and upload"],
-                    [(x["evict_mb"], " / ".join(str(x["step_ms"][k]) for k in ("p10", "median", "p90")),
+                    [(x.get("tree", r["commit"]), x["evict_mb"],
+                      " / ".join(str(x["step_ms"][k]) for k in ("p10", "median", "p90")),
                       *(x["phase_median_ms"][k] for k in phases)) for x in r["runs"]])
 
 
@@ -876,6 +877,7 @@ def main(argv=None):
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table),
+                     ("host_prepare_cpu_lean_upload.json", cold_host_table),
                      ("host_prepare_cpu_cold.json", cold_host_table),
                      ("host_prepare_h200_packed.json", host_table),
                      ("host_prepare_h200_staged.json", host_table), ("host_prepare_h100_keys.json", host_table),
