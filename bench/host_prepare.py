@@ -83,6 +83,17 @@ def percentiles(ms: list[float]) -> dict:
     return {"p10": round(float(p10), 4), "median": round(float(p50), 4), "p90": round(float(p90), 4)}
 
 
+def by_cuts(step_ms: list[float], cuts: list[int], grafted: list[bool]) -> dict:
+    """Median step by the number of chunks it cut, over the steps without a graft: a step's cuts vary with the
+    decoded tokens, and two runs compared at equal cuts differ less than their overall medians."""
+    out = {}
+    for c in sorted(set(cuts)):
+        ms = [t for t, n, g in zip(step_ms, cuts, grafted) if n == c and not g]
+        if ms:
+            out[str(c)] = {"steps": len(ms), "median": round(float(np.median(ms)), 4)}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -129,16 +140,19 @@ def main():
         step()
     sync(dev)
     keys = ("decode_prepare_s", *PREPARE_PHASES)
-    step_ms, phase_ms = [], {key: [] for key in keys}
+    step_ms, phase_ms, cuts, grafted = [], {key: [] for key in keys}, [], []
     for _ in range(a.steps):
         advance()
         evict.sum()
         before = [m.stats[key] for key in keys]
+        units, grafts = m.store.stats["units_built"], m.stats["grafts"]
         t0 = time.perf_counter()
         prepare()
         step_ms.append(1000 * (time.perf_counter() - t0))
         for key, b in zip(keys, before):
             phase_ms[key].append(1000 * (m.stats[key] - b))
+        cuts.append(m.store.stats["units_built"] - units)
+        grafted.append(m.stats["grafts"] > grafts)
     # the rest of a step, past the manager's phases: PooledDecode's table of pool ranges and its upload
     phase_ms["table_upload"] = [t - sum(phase_ms[key][i] for key in PREPARE_PHASES)
                                 for i, t in enumerate(phase_ms["decode_prepare_s"])]
@@ -156,6 +170,7 @@ def main():
            "step_ms": percentiles(step_ms),
            "phase_ms_per_step": {key: round(float(np.mean(phase_ms[key])), 3) for key in keys},
            "phase_median_ms": {key: round(float(np.median(v)), 4) for key, v in phase_ms.items()},
+           "step_ms_by_cuts": by_cuts(step_ms, cuts, grafted),
            "grafts": m.stats["grafts"], "decode_host_syncs": m.stats["decode_host_syncs"], "release_ms": release_ms,
            "release_syncs": len(release_syncs),
            "release_sync_sites": sorted(set(release_syncs)), "profile_top": s.getvalue().splitlines()[:45]}

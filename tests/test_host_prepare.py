@@ -27,3 +27,7 @@ def test_host_prepare_on_cpu(tmp_path, monkeypatch, evict_mb):
     # 180 decode steps past a 2048-token prompt at budget 1024 leave the recent window: chunks were grafted
     assert r["grafts"] > 0 and r["decode_host_syncs"] == 0
     assert r["release_ms"]["median"] > 0 and r["release_syncs"] == 0
+    # every timed step without a graft counts once, by its cuts; 2 requests cut at most a few chunks a step
+    split = r["step_ms_by_cuts"]
+    assert 0 < sum(v["steps"] for v in split.values()) <= r["steps"] and set(split) <= {"0", "1", "2", "3", "4"}
+    assert "0" in split and all(v["median"] > 0 for v in split.values())
