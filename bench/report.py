@@ -548,16 +548,20 @@ def host_table(path: Path) -> str:
 
 
 def cold_host_table(path: Path) -> str:
-    """bench.host_prepare's runs with warm and cold caches (--evict-mb), medians per step by phase."""
+    """bench.host_prepare's runs with warm and cold caches (--evict-mb), medians per step by phase (and, where the
+    runs split them, the median step at 0 and 1 chunks cut, without a graft)."""
     r = json.loads(path.read_text())
     phases = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "table_upload")
+    split = all("step_ms_by_cuts" in x for x in r["runs"])
     return md_table(f"Host time of a decode step's preparation with warm and cold caches, {r['device']}, batch "
                     f"{r['batch']} at {r['context']} tokens, {r['layers']} layers, commit {r['commit']}: {r['what']} "
                     f"(`{path.relative_to(RESULTS.parent.parent)}`)",
-                    ["tree", "MB read before each step", "step p10 / median / p90 (ms)", "frees", "cuts", "placement",
+                    ["tree", "MB read before each step", "step p10 / median / p90 (ms)",
+                     *(["median step at 0 / 1 cuts"] if split else []), "frees", "cuts", "placement",
                      "grafts (their check on most steps)", "table and upload"],
                     [(x.get("tree", r["commit"]), x["evict_mb"],
                       " / ".join(str(x["step_ms"][k]) for k in ("p10", "median", "p90")),
+                      *([" / ".join(str(x["step_ms_by_cuts"][c]["median"]) for c in ("0", "1"))] if split else []),
                       *(x["phase_median_ms"][k] for k in phases)) for x in r["runs"]])
 
 
@@ -877,6 +881,7 @@ def main(argv=None):
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table),
+                     ("host_prepare_cpu_host_fuse.json", cold_host_table),
                      ("host_prepare_cpu_lean_upload.json", cold_host_table),
                      ("host_prepare_cpu_cold.json", cold_host_table),
                      ("host_prepare_h200_packed.json", host_table),
