@@ -70,6 +70,7 @@ SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),
                                       sliding_window=None, use_sliding_window=False))}
 DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_steps", "dense_steps", "index_pool_full",
           "dense_fallback_steps", "scratch_full_steps", "reused_list_steps", "unselected_steps", "own_order_steps",
+          "upload_fresh_buffers",
           "decode_prepare_s", "index_build_s", "index_release_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "build_keys_s", "build_cluster_s", "build_load_s",
           "extend_wait_s", "build_chunks", "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import numpy as np
 import torch
 import triton
 
@@ -302,10 +301,12 @@ class PooledDecode:
     def _upload(self, table: list[list[int]], bs: int, padded_bs: int, r2t_shape) -> None:
         """The step's table (one list per batch row), padded to the captured batch size, to the device."""
         table += [PADDING_ROW] * (padded_bs - bs)
-        table = np.array(table, dtype=np.int32).reshape(padded_bs, NR + len(EXTRA))
+        fresh = self.staging.fresh
+        view = self.staging.host()
+        self.manager.stats["upload_fresh_buffers"] += self.staging.fresh - fresh
+        view.T[:padded_bs] = table   # one numpy write, transposed: the buffer holds each field for every row
         if DEBUG:
-            check_table(table.T, bs, self.manager.pools.capacity, self.scratch[0].shape[1], r2t_shape)
-        self.staging.host().numpy()[:, :padded_bs] = table.T
+            check_table(view[:, :padded_bs], bs, self.manager.pools.capacity, self.scratch[0].shape[1], r2t_shape)
         self.staging.upload()
 
     def _count(self, seq_lens: list[int], direct_lens: list[int], reused: int) -> None:

@@ -150,10 +150,17 @@ class Chunker:
         if self.mode == "fixed":
             return fixed_cuts(n, self.chunk_max, final)
         if n <= SHORT:
-            return self._structure_cuts_short(token_ids, final)
+            return np.asarray(self._structure_cuts_short(token_ids, final), dtype=np.int64)
         return structure_cuts(self.table.cut_strength(token_ids), n, self.chunk_min, self.chunk_max, final)
 
-    def _structure_cuts_short(self, ids, final: bool) -> np.ndarray:
+    def ends(self, token_ids: list[int]) -> list[int]:
+        """``cuts`` of a host token list, as a list: a decode step's short window takes no numpy call (with cold
+        caches, as a served step starts, each costs tens of microseconds)."""
+        if self.mode == "structure" and len(token_ids) <= SHORT:
+            return self._structure_cuts_short(token_ids, False)
+        return self.cuts(token_ids).tolist()
+
+    def _structure_cuts_short(self, ids, final: bool) -> list[int]:
         """``structure_cuts(table.cut_strength(ids))`` in plain Python, for the few tokens a decode step cuts
         from (a numpy call costs more than the whole window here)."""
         st, lead, top_id = self._strength, self._lead, len(self._strength) - 1
@@ -177,5 +184,5 @@ class Chunker:
             s = ends[-1]
         if final and s < n:
             ends.append(min(best(s), n))
-        return np.asarray(ends, dtype=np.int64)
+        return ends
 

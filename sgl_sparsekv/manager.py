@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -59,7 +58,7 @@ from sgl_sparsekv.select import select_pages, units_to_token_mask
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.summary import summarize_units
 from sgl_sparsekv.tensor_parallel import KVShard
-from sgl_sparsekv.transfer import LateRead, to_device
+from sgl_sparsekv.transfer import DEBUG, LateRead, to_device
 
 
 @dataclass
@@ -143,9 +142,6 @@ PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepar
 # frees and key slots read back, the prefix's slots)
 BUILD_PHASES = ("build_keys_s", "build_cluster_s", "build_load_s")
 logger = logging.getLogger("sgl_sparsekv")
-# (the plugin's variables start SPARSEKV_: SGLang rewrites every SGL_* one with a deprecation warning)
-# SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
-DEBUG = os.environ.get("SPARSEKV_DEBUG") == "1"
 
 
 def unit_min(cfg: SparseKVConfig) -> int:
@@ -215,7 +211,7 @@ class SparseKVManager:
         self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0,
                       "dense_steps": 0, "attended_tokens": 0, "scored_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
                       "dense_fallback_steps": 0, "scratch_full_steps": 0, "reused_list_steps": 0, "unselected_steps": 0,
-                      "own_order_steps": 0,
+                      "own_order_steps": 0, "upload_fresh_buffers": 0,
                       "decode_prepare_s": 0.0, "index_build_s": 0.0, "index_release_s": 0.0, "decode_host_syncs": 0,
                       "extend_wait_s": 0.0, "build_chunks": 0, "extend_chunks": 0,
                       **{k: 0.0 for k in PREPARE_PHASES + BUILD_PHASES}}
@@ -362,7 +358,7 @@ class SparseKVManager:
         start = state.indexed_end
         if tokens is None or known - start < self.chunker.lookahead:
             return
-        ends = self.chunker.cuts(tokens[start:known]).tolist()
+        ends = self.chunker.ends(tokens[start:known])
         if not ends:
             return
         prev = 0

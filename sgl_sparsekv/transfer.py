@@ -8,9 +8,16 @@ decode) comes back one step late through :class:`LateRead`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 
+import numpy as np
 import torch
+
+# (the plugin's variables start SPARSEKV_: SGLang rewrites every SGL_* one with a deprecation warning)
+# SPARSEKV_DEBUG=1: check every pool range the kernels will read against the pools (syncs; tests use it)
+DEBUG = os.environ.get("SPARSEKV_DEBUG") == "1"
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -21,35 +28,61 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class StagedUpload:
-    """A device tensor rewritten from the host at every step, through a small ring of pinned host buffers.
+    """A device tensor rewritten from the host at every step, through a ring of pinned host buffers.
 
-    ``host()`` gives the next buffer to fill, ``upload()`` queues its copy into ``dest`` (one copy, no kernel, no
-    allocation). A buffer is reused only once the GPU got past its last copy; were it still pending (it never is
-    when the host runs at most a step or two ahead), the step pays a fresh pinned buffer instead of a wait."""
+    ``host()`` gives the next buffer to fill, as a numpy view; ``upload()`` queues its copy into ``dest`` (one copy,
+    no kernel, no allocation). A buffer is refilled only once the GPU got past its last copy. Instead of an event
+    per copy, a fence (an event) is recorded after every ``ring // 2`` copies and the last two are kept: a buffer's
+    fence (the first one after its last copy) is queried only when the buffer comes round again and no fence seen
+    done so far covers it, so with the host a step or two ahead of the GPU a step makes one event call in
+    ``ring // 2``. Were the copy still pending, the step pays a fresh pinned buffer (counted in ``fresh``) instead
+    of a wait. A fence covers the copies of its own stream only, so every copy must go to one stream (checked in
+    debug mode); in serving that is SGLang's forward stream, where every forward runs.
 
-    def __init__(self, dest: torch.Tensor, ring: int = 4):
-        assert dest.is_contiguous()
+    ``event``: the event type (a test's stand-in for the GPU); with one, copies count as asynchronous on any device.
+    """
+
+    def __init__(self, dest: torch.Tensor, ring: int = 16, event=None):
+        assert dest.is_contiguous() and ring >= 2 and ring % 2 == 0
         self.dest = dest
-        pinned = dest.is_cuda
-        self.bufs = [torch.zeros(dest.shape, dtype=dest.dtype, pin_memory=pinned) for _ in range(ring if pinned else 1)]
-        self.events: list[torch.cuda.Event | None] = [None] * len(self.bufs)
-        self.turn = 0
+        self.queued = dest.is_cuda or event is not None   # a copy may still be pending after upload() returns
+        self.event = event or torch.cuda.Event
+        self.bufs = [torch.zeros(dest.shape, dtype=dest.dtype, pin_memory=dest.is_cuda)
+                     for _ in range(ring if self.queued else 1)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.every = ring // 2
+        self.copies = 0                 # copies queued so far
+        self.done = -1                  # the last copy a fence was seen past
+        self.fences = collections.deque(maxlen=2)   # (the copy it follows, event)
+        self.fresh = 0
+        self.stream = None              # debug mode: the one stream every copy goes to
 
-    def host(self) -> torch.Tensor:
-        ev = self.events[self.turn]
-        if ev is not None and not ev.query():
-            self.bufs[self.turn] = torch.empty_like(self.bufs[self.turn], pin_memory=True)
-            self.events[self.turn] = None
-        return self.bufs[self.turn]
+    def host(self) -> np.ndarray:
+        i = self.copies % len(self.bufs)
+        last = self.copies - len(self.bufs)   # this buffer's last copy
+        if self.queued and last > self.done:
+            fence = next(((c, ev) for c, ev in self.fences if c >= last), None)
+            if fence is not None and fence[1].query():
+                self.done = fence[0]
+            else:
+                self.bufs[i] = torch.empty_like(self.bufs[i], pin_memory=self.dest.is_cuda)
+                self.views[i] = self.bufs[i].numpy()
+                self.fresh += 1
+        return self.views[i]
 
     def upload(self) -> None:
-        i = self.turn
-        self.dest.copy_(self.bufs[i], non_blocking=True)
-        if self.dest.is_cuda:
-            if self.events[i] is None:
-                self.events[i] = torch.cuda.Event()
-            self.events[i].record()
-        self.turn = (i + 1) % len(self.bufs)
+        n = self.copies
+        self.dest.copy_(self.bufs[n % len(self.bufs)], non_blocking=True)
+        if self.queued:
+            if DEBUG and self.dest.is_cuda:
+                stream = torch.cuda.current_stream()
+                assert self.stream in (None, stream), "staged uploads to two streams: a fence covers only its own"
+                self.stream = stream
+            if (n + 1) % self.every == 0:
+                ev = self.event()
+                ev.record()
+                self.fences.append((n, ev))
+        self.copies = n + 1
 
 
 class LateRead:

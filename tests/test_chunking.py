@@ -91,22 +91,26 @@ def test_fuzz_real_tokenizer(kind, table, smollm2_tokenizer):
 
 @pytest.mark.parametrize("kind", ["code", "prose", "cjk"])
 def test_stream_stable(kind, table, smollm2_tokenizer):
-    """Cutting a prefix, then the rest as tokens arrive, gives the cuts of the whole stream."""
+    """Cutting a prefix, then the rest as tokens arrive, gives the cuts of the whole stream: through ``cuts`` on
+    numpy windows, and through ``ends`` on the host token list, as a decode step cuts."""
     ids = np.array(smollm2_tokenizer.encode(_samples(random.Random(1))[kind], add_special_tokens=False))[:1500]
     ch = Chunker("structure", 8, 16, table)
     whole = ch.cuts(ids).tolist()
-    streamed, start = [], 0
-    for n in range(1, len(ids) + 1):  # one token at a time, like decode
-        for e in ch.cuts(ids[start:n]).tolist():
-            streamed.append(start + e)
-        start = streamed[-1] if streamed else 0
-    assert streamed == whole
+    for window in (lambda a, b: ch.cuts(ids[a:b]).tolist(), lambda a, b, toks=ids.tolist(): ch.ends(toks[a:b])):
+        streamed, start = [], 0
+        for n in range(1, len(ids) + 1):  # one token at a time, like decode
+            for e in window(start, n):
+                streamed.append(start + e)
+            start = streamed[-1] if streamed else 0
+        assert streamed == whole
+    assert ch.ends(ids.tolist()) == whole   # a long window: numpy's cut, as a list
 
 
 def test_fixed_units():
     assert fixed_cuts(50, 16).tolist() == [16, 32, 48]
     assert fixed_cuts(50, 16, final=True).tolist() == [16, 32, 48, 50]
     assert Chunker("fixed", 16, 16, None).cuts(np.arange(40)).tolist() == [16, 32]
+    assert Chunker("fixed", 16, 16, None).ends(list(range(40))) == [16, 32]
 
 
 def test_long_input_matches_brute_force(table):

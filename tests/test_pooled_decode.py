@@ -882,6 +882,60 @@ def test_index_placement_compiles_nothing_after_startup(fine_bound):
     torch.cuda.synchronize()
 
 
+class LaggingCopies:
+    """A stand-in GPU for StagedUpload on the CPU: it runs the queued copies ``lag`` copies behind the host, and a
+    copy reads its source buffer when it runs, so a buffer the host refilled before its copy ran is caught."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype, self.is_cuda = shape, torch.int32, False
+        self.queue, self.ran, self.queries = [], 0, 0
+
+    def is_contiguous(self):
+        return True
+
+    def copy_(self, src, non_blocking):
+        self.queue.append((src, src.clone()))
+
+    def run(self, lag: int) -> None:
+        while self.ran < len(self.queue) - lag:
+            src, queued = self.queue[self.ran]
+            assert torch.equal(src, queued), f"copy {self.ran} read a buffer the host refilled after queueing it"
+            self.ran += 1
+
+    def event(self):
+        gpu = self
+
+        class Fence:
+            def record(self):
+                self.after = len(gpu.queue)
+
+            def query(self):
+                gpu.queries += 1
+                return gpu.ran >= self.after
+
+        return Fence()
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 7, 9, 15, 40, "random"])
+def test_staged_upload_fences_on_a_lagging_gpu(lag):
+    """No copy reads a buffer the host refilled, however far behind the GPU runs (0 to 40 copies); with the GPU a
+    step or two behind no buffer is replaced and a step queries an event once in ring // 2 copies."""
+    gpu = LaggingCopies((3, 4))
+    up = StagedUpload(gpu, ring=16, event=gpu.event)
+    rng = random.Random(0)
+    steps = 400
+    for v in range(steps):
+        gpu.run(rng.randint(0, 40) if lag == "random" else lag)
+        up.host()[:] = v
+        up.upload()
+    gpu.run(0)
+    assert [int(q[0, 0]) for _, q in gpu.queue] == list(range(steps))
+    if lag != "random" and lag <= 2:
+        assert up.fresh == 0 and gpu.queries <= steps // 8
+    if lag == 40:
+        assert up.fresh > steps // 2
+
+
 @pytest.mark.gpu
 def test_staged_upload_never_rewrites_a_pending_copy():
     """The step's range table goes up through a ring of pinned buffers. With the GPU held busy, every copy is still
@@ -893,8 +947,9 @@ def test_staged_upload_never_rewrites_a_pending_copy():
     with sync_check("error"):
         torch.cuda._sleep(200_000_000)   # about 0.1 s of GPU time ahead of the copies
         for v in range(6):
-            up.host().fill_(v)
+            up.host()[:] = v
             up.upload()
             seen[v].copy_(dest)
     torch.cuda.synchronize()
     assert seen.flatten(1).tolist() == [[v] * 24 for v in range(6)]
+    assert up.fresh == 4   # every buffer came round with its copy pending
