@@ -95,7 +95,7 @@ class RequestState:
 
     @property
     def pooled_chunks(self) -> int:
-        return sum(seg.M for seg in self.segments)
+        return (self.shared[1].M if self.shared else 0) + (self.pool.M if self.pool else 0)
 
 
 @dataclass
@@ -236,6 +236,8 @@ class SparseKVManager:
         Slot frees and unit keys from the device apply in the order they happened, as far as they reached the
         host; ``wait`` (prefill, idle) waits for all of them, a decode step (``wait=False``) never does.
         """
+        if not (wait or self._freed_reqs or self._freed_slots or self._cleared or self._ordered):
+            return   # a decode step with nothing to apply (one that races a free applies it at the next step)
         with self._lock:
             reqs, slots, cleared = self._freed_reqs, self._freed_slots, self._cleared
             self._freed_reqs, self._freed_slots, self._cleared = [], [], False
