@@ -68,16 +68,17 @@ def parts_for(bs: int) -> int:
     return max(16, 128 // triton.next_power_of_2(bs))
 
 
-def _segment_ranges(segs) -> tuple[list[int], int]:
+def _segment_ranges(state) -> tuple[list[int], int]:
     """A request's pool ranges (RANGE_FIELDS without ``so``: segment 0, the adopted prefix's, then segment 1, its
-    own; segment 0 empty without an adopted prefix) and its fine clusters, from its index's segments."""
-    if len(segs) == 2:
-        a, b = segs
-        return [a.co, a.P, a.fo, a.L, a.ko, a.M, b.co, b.P, b.fo, b.L, b.ko, b.M], a.L + b.L
-    if segs:
-        b = segs[0]
+    own; segment 0 empty without an adopted prefix) and its fine clusters; ([], 0) while its index is not in the
+    pools (a shared segment comes only with an own one)."""
+    b = state.pool
+    if b is None:
+        return [], 0
+    if state.shared is None:
         return [0, 0, 0, 0, 0, 0, b.co, b.P, b.fo, b.L, b.ko, b.M], b.L
-    return [], 0
+    a = state.shared[1]
+    return [a.co, a.P, a.fo, a.L, a.ko, a.M, b.co, b.P, b.fo, b.L, b.ko, b.M], a.L + b.L
 
 
 class PooledDecode:
@@ -179,7 +180,7 @@ class PooledDecode:
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
         lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken)."""
-        if self.every == 1 or state is None:
+        if self.every == 1:
             return i, 1, S
         r = self._held_row(state)
         if r is None:
@@ -217,20 +218,18 @@ class PooledDecode:
         select_ahead a first decode step may select before it attends."""
         m = self.manager
         t0 = time.perf_counter()
-        segments = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
-        states = [m.states.get(row) for row in rows]
+        states = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
         self.own_order = False
         if attends:
-            table = (self._table_ahead(rows, seq_lens, segments, states, eager) if self.ahead
-                     else self._table(rows, seq_lens, segments, states))
+            table = (self._table_ahead(rows, seq_lens, states, eager) if self.ahead
+                     else self._table(rows, seq_lens, states))
             self._upload(table, len(rows), padded_bs, req_to_token.shape)
         else:
             for state in states:
-                if state is not None:
-                    state.lists = None
+                state.lists = None
         m.stats["decode_prepare_s"] += time.perf_counter() - t0
 
-    def _table(self, rows, seq_lens, segments, states) -> list[list[int]]:
+    def _table(self, rows, seq_lens, states) -> list[list[int]]:
         """Per batch row: RANGE_FIELDS, then EXTRA."""
         m = self.manager
         every = self.every
@@ -238,10 +237,11 @@ class PooledDecode:
         so, room, reused = 0, self.scratch[0].shape[1], 0
         batch = {id(st) for st in states} if every > 1 else None
         direct_lens = []
-        for i, (row, S, segs, state) in enumerate(zip(rows, seq_lens, segments, states)):
+        for i, (row, S, state) in enumerate(zip(rows, seq_lens, states)):
             list_row, fresh, tail_from = (i, 1, S) if every == 1 else self._list_row(state, S, i, batch)
-            ranges, need = _segment_ranges(segs)
-            placed = bool(segs) and (not fresh or so + need <= room)
+            ranges, need = _segment_ranges(state)
+            indexed = state.pool is not None
+            placed = indexed and (not fresh or so + need <= room)
             if placed and fresh:
                 ranges.append(so)
                 so += need
@@ -250,17 +250,17 @@ class PooledDecode:
             direct = m.needs_sparse(S) and not placed   # past the budget without its index: the whole sequence
             if direct:
                 direct_lens.append(S)
-                if segs and fresh:
+                if indexed and fresh:
                     self._scratch_full()
-                if state is not None and state.lists is not None:   # its lists are not written this step: it
-                    state.lists = (self, list_row, -every)            # keeps the row, selects at the next step
+                if state.lists is not None:   # its lists are not written this step: it keeps the row, selects
+                    state.lists = (self, list_row, -every)   # at the next step
             table.append(ranges + [row, S, self.cut, direct, fresh and not direct, list_row, tail_from])
             reused += not (fresh or direct)
         self._count(seq_lens, direct_lens, reused)
         m.stats["dense_fallback_steps"] += len(direct_lens)
         return table
 
-    def _table_ahead(self, rows, seq_lens, segments, states, eager: bool) -> list[list[int]]:
+    def _table_ahead(self, rows, seq_lens, states, eager: bool) -> list[list[int]]:
         """select_ahead: each row attends to the lists selected at its step before (else its whole sequence) and
         selects for its next step where its index (or a length within the budget) allows. An eager step holding a
         first decode step (``first_steps``) runs in lychee's order: every row that selects attends to the lists it
@@ -272,16 +272,17 @@ class PooledDecode:
         so, room = 0, self.scratch[0].shape[1]
         batch = {id(st) for st in states}
         direct_lens = []
-        for row, S, segs, state in zip(rows, seq_lens, segments, states):
+        for row, S, state in zip(rows, seq_lens, states):
             list_row, selected = self._ahead_row(state, S, batch)
-            ranges, need = _segment_ranges(segs)
-            placed = bool(segs) and so + need <= room
+            ranges, need = _segment_ranges(state)
+            indexed = state.pool is not None
+            placed = indexed and so + need <= room
             if placed:
                 ranges.append(so)
                 so += need
             else:
                 ranges = UNPLACED
-                if segs:
+                if indexed:
                     self._scratch_full()
             selects = placed or not m.needs_sparse(S)   # within the budget its list is every token
             if selects:
@@ -311,17 +312,22 @@ class PooledDecode:
 
     def _count(self, seq_lens: list[int], direct_lens: list[int], reused: int) -> None:
         """A step's counters: tokens of context, tokens attended (the whole sequence of a direct row, else at most
-        the budget), tokens scored by a rerank (its candidates), rows that reused lists."""
-        m, cfg = self.manager, self.cfg
-        budget = cfg.token_budget
-        direct = sum(direct_lens)
-        m.stats["context_tokens"] += sum(seq_lens)
-        # the attended tokens: every row's min(S, budget), with a direct row's min replaced by its whole S
-        m.stats["attended_tokens"] += sum(min(S, budget) for S in seq_lens) + direct - sum(
-            min(S, budget) for S in direct_lens)
-        if cfg.rerank_factor > 1:   # a row past the budget that selects scores its candidates (direct ones do not)
-            m.stats["scored_tokens"] += sum(min(S, self.cap_c) for S in seq_lens if m.needs_sparse(S)) - sum(
-                min(S, self.cap_c) for S in direct_lens)
+        the budget), tokens scored by a rerank (its candidates), rows that reused lists. One loop per list: each
+        further generator costs a served step, cold, tens of microseconds."""
+        m, budget, cap = self.manager, self.cfg.token_budget, self.cap_c if self.cfg.rerank_factor > 1 else 0
+        context = attended = scored = 0
+        for S in seq_lens:
+            context += S
+            attended += min(S, budget)
+            if S > budget:   # a row past the budget that selects scores its candidates
+                scored += min(S, cap)
+        for S in direct_lens:   # a direct row attends to its whole sequence and scores none
+            attended += S - min(S, budget)
+            scored -= min(S, cap)
+        m.stats["context_tokens"] += context
+        m.stats["attended_tokens"] += attended
+        if cap:
+            m.stats["scored_tokens"] += scored
         m.stats["reused_list_steps"] += reused
 
     def _scratch_full(self) -> None:

@@ -315,22 +315,34 @@ class SparseKVManager:
         yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
         device: the key slots of the units cut here come back one step late."""
         self.apply_frees(wait=False)
-        plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
-        self._read_keys(self._ask_keys([self.states[idx] for idx in req_pool_indices], plan), plan)
+        plan, states, _, _ = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        self._read_keys(self._ask_keys(states, plan), plan)
         return plan
 
     def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                    tokens: list) -> PoolPlan:
-        plan = PoolPlan(req_to_token)
+                    tokens: list) -> tuple[PoolPlan, list[RequestState], list[RequestState], int]:
+        """The step's cuts, in one pass over the batch that also finds what the pooled path must do (a served
+        step starts with cold caches, where each further pass costs tens of microseconds): (plan, the requests'
+        states, those past the budget whose index is not in the pools, steps until the first chunk an index in
+        the pools lacks leaves the recent window)."""
+        plan, states, unplaced, get, la = PoolPlan(req_to_token), [], [], self.states.get, self.chunker.lookahead
+        budget, lag = self.cfg.token_budget, 1 << 62
         for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
-            state = self.states.get(idx)
+            state = get(idx)
             if state is None:  # decode without a prefill we saw (e.g. a retracted request resumed)
                 state = self.states[idx] = RequestState(row=idx)
                 self._adopt_prefix(state, req_to_token[idx, :seq - 1])
                 self.stats["decode_host_syncs"] += 1
             state.seq_len = seq
-            self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
-        return plan
+            states.append(state)
+            if toks is not None and min(seq - 1, len(toks)) - (state.ends[-1] if state.ends else 0) >= la:
+                self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
+            if state.pool is None:
+                if seq > budget and state.units:
+                    unplaced.append(state)
+            elif (i := state.pooled_chunks) < len(state.units):
+                lag = min(lag, state.starts[i] - seq)
+        return plan, states, unplaced, lag + self.cfg.recent_window
 
     def _ask_keys(self, states: list[RequestState], plan: PoolPlan) -> list[int]:
         """Add the key positions of the states' units not keyed yet to the plan (before it is packed); their ids."""
@@ -377,9 +389,9 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ lychee decode over the index pools
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                              tokens: list, k_buffers) -> list[list[PoolRanges]]:
-        """Everything a decode step needs before its (graph-captured) layers run; per request its index's pool
-        segments (shared, own; none while it has no index).
+                              tokens: list, k_buffers) -> list[RequestState]:
+        """Everything a decode step needs before its (graph-captured) layers run; the requests' states, which name
+        their indexes' pool segments (``RequestState.pool``, ``shared``: none while a request has no index).
 
         k_buffers(l) -> the key buffer of model layer ``l``: the keys of the chunks grafted here are pooled from
         it, for every layer at once (their tokens precede the step's token, so their keys are all written).
@@ -387,13 +399,13 @@ class SparseKVManager:
         t = [time.perf_counter()]
         self.apply_frees(wait=False)
         t.append(time.perf_counter())
-        plan = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        plan, states, unplaced, lead = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
         t.append(time.perf_counter())
-        states = [self.states[idx] for idx in req_pool_indices]
-        # normally done when the prefill finished; here for requests that just passed the budget
-        self._place(states, req_to_token, k_buffers)
+        if unplaced:   # normally placed when the prefill finished; here for requests that just passed the budget
+            self._place(unplaced, req_to_token, k_buffers)
         t.append(time.perf_counter())
-        self._graft_pooled(states, plan, k_buffers)
+        if lead <= 0:   # the step after this one must still find every missing chunk inside its recent window
+            self._graft_pooled(states, plan, k_buffers)
         t.append(time.perf_counter())
         for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
             self.stats[key] += b - a
@@ -405,7 +417,7 @@ class SparseKVManager:
                 lacks = s.pool is not None and s.pooled_chunks < len(s.units)
                 assert not lacks or s.starts[s.pooled_chunks] >= s.seq_len - self.cfg.recent_window, \
                     (s.segments, s.seq_len)
-        return [s.segments for s in states]
+        return states
 
     def finish_extend(self, req_pool_indices: list[int], complete: list[bool], req_to_token: torch.Tensor,
                       k_buffers) -> None:
@@ -558,7 +570,7 @@ class SparseKVManager:
         self.stats["index_pool_full"] += 1
 
     def _graft_pooled(self, states: list[RequestState], plan: PoolPlan, k_buffers) -> None:
-        """Graft the chunks the requests' pooled indexes lack, every request's at once, when the first missing
+        """Graft the chunks the requests' pooled indexes lack, every request's at once; called when the first missing
         chunk of any of them is about to leave the recent window (until then each step attends them in full).
         After a graft no request lacks a chunk that was cut, so the next graft is due when a chunk cut later
         nears the window's edge, dozens of steps on (a 64-token window, chunks of at most 16): a batch launches
@@ -567,9 +579,6 @@ class SparseKVManager:
         both launches' inputs travel in the plan's one upload, with the key positions of every request's units
         cut since its last graft (so a step without a graft makes no device call here)."""
         backlog = [(s, i) for s in states if s.pool is not None and (i := s.pooled_chunks) < len(s.units)]
-        # the step after this one must still find every missing chunk inside its recent window
-        if not backlog or min(s.starts[i] - s.seq_len for s, i in backlog) + self.cfg.recent_window > 0:
-            return
         jobs, lengths, starts = [], [], []
         for state, i in backlog:
             rng, n = state.pool, len(state.units) - i
