@@ -882,6 +882,7 @@ def main(argv=None):
                      ("index_build_h100.json", build_table), ("host_lifecycle_segments_cpu.json", lifecycle_table),
                      ("host_lifecycle_cpu.json", lifecycle_table),
                      ("selection_breakdown_h100.json", breakdown_table),
+                     ("host_prepare_h100_host_fuse.json", cold_host_table),
                      ("host_prepare_cpu_host_fuse.json", cold_host_table),
                      ("host_prepare_cpu_lean_upload.json", cold_host_table),
                      ("host_prepare_cpu_cold.json", cold_host_table),

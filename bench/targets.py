@@ -52,6 +52,7 @@ TPOT_AHEAD, TPOT_AHEAD_JOIN = "gpu_serving_h200_ahead.json", "gpu_serving_h200_a
 SHARED_AHEAD_BOX, TPOT_AHEAD_BOX = "gpu_serving_h200_chain_shared.json", "gpu_serving_h200_chain_tpot.json"
 SELECTION = "cut_value_steps_h200.json"
 HOST_COLD = "host_prepare_cpu_cold.json"   # bench.host_prepare on the CPU, warm and with 256 MB read before each step
+HOST_AB = "host_prepare_h100_host_fuse.json"   # bench.host_prepare, main against its base alternated on one card
 
 
 PROFILE_16 = "serving_profile_h200_b16_pair.json"   # the pair, then the same selection inline, batch 16
@@ -204,6 +205,17 @@ def cold_ratio(r: dict) -> tuple[int, float]:
     return cold, med[cold] / med[0]
 
 
+def one_card_ab(r: dict) -> str:
+    """The host bench's median step by tree, its runs alternated on one card: each tree's runs as a range."""
+    trees = {}
+    for x in r["runs"]:
+        trees.setdefault(x["tree"], []).append(x["step_ms"]["median"])
+    (new, ms), (base, base_ms) = (r["commit"], trees.pop(r["commit"])), trees.popitem()
+    return (f"on one {r['device'].replace('NVIDIA ', '')} the isolated step (`bench.host_prepare`, "
+            f"{r['runs'][0]['evict_mb']} MB read before each) takes {min(ms):.2f}-{max(ms):.2f} ms at {new} against "
+            f"{min(base_ms):.2f}-{max(base_ms):.2f} at {base}, alternated ({cite(HOST_AB, r)})")
+
+
 def host_time() -> list[str]:
     r, a, ab, cold = load(SHARED), load(SHARED_AHEAD), load(SHARED_AHEAD_BOX), load(HOST_COLD)
     s = r["shared_prefix"]
@@ -220,7 +232,7 @@ def host_time() -> list[str]:
     measured = (f"lychee {host:.2f} ms, {syncs} syncs, {cite(SHARED, r)}, of which the table of pool ranges and its "
                 f"upload {table[1]:.3f} ms against {table[0]:.3f} in the run before; over the default's {len(runs)} runs "
                 f"of this workload since {load(SHARED_RUNS[0])['commit']}, one card each: {steps[0]:.2f} to "
-                f"{steps[-1]:.2f} ms (median {statistics.median(steps):.2f}); {options}")
+                f"{steps[-1]:.2f} ms (median {statistics.median(steps):.2f}); {one_card_ab(load(HOST_AB))}; {options}")
     why = (f"of the step's {now['step']:.3f} ms, {now['frees']:.3f} are frees, most of them releasing a finished "
            f"request's index (its pool rows exported and cached for a next turn; {min(releases):.1f} to "
            f"{max(releases):.1f} ms a request across the runs, paid in one step by a group of 16 that ends together), "
