@@ -8,6 +8,7 @@
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
 #   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
 #   BASE=DIR bash bench/on_device.sh host NAME   # bench.host_prepare into $OUT/NAME.json, first with DIR's files
+#   bash bench/on_device.sh tiles NAME [--context 126000 ...]  # bench.tile_sweep into $OUT/NAME.json
 #   (host, breakdown: DIR, an untracked folder of the tree, holds older versions of some files at their tree paths,
 #    e.g. DIR/sgl_sparsekv/index_pool.py; they run first, into $OUT/NAME_base.json (host: NAME_base1), then this
 #    tree's (host: then both again), so one call compares them on one card (host: and sees its spread))
@@ -66,6 +67,9 @@ case "$1" in
       if [ -n "${BASE:-}" ]; then swap; host_run "${name}_base$turn" "$@"; swap; fi
       host_run "$name$turn" "$@"
     done ;;
+  tiles)
+    name=$2; shift 2
+    timeout 560 python3 -m bench.tile_sweep --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
   breakdown)
     name=$2; shift 2
     limit=560
@@ -85,6 +89,7 @@ case "$1" in
       --deadline $(( left - 60 )) ${after[@]:+--after "${after[@]}"} "$@" 2>&1 | tail -30
     mkdir -p /tmp/fidelity && cp "$OUT/$name.json" /tmp/fidelity/ 2>/dev/null ;;   # for a later call's AFTER
   *) echo "usage: bash bench/on_device.sh tests [PYTEST ARGS] | serve NAME METHODS WORKLOAD [CONTEXTS...]" \
-          "| breakdown NAME [FLAGS] | fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" >&2
+          "| breakdown NAME [FLAGS] | fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" \
+          "| tiles NAME [FLAGS]" >&2
      exit 2 ;;
 esac
