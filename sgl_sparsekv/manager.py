@@ -335,8 +335,10 @@ class SparseKVManager:
                 self.stats["decode_host_syncs"] += 1
             state.seq_len = seq
             states.append(state)
-            if toks is not None and min(seq - 1, len(toks)) - (state.ends[-1] if state.ends else 0) >= la:
-                self._cut(state, toks, idx, min(seq - 1, len(toks)), plan)
+            if toks is not None:
+                known = min(seq - 1, len(toks))
+                if known - (state.ends[-1] if state.ends else 0) >= la:   # _cut's guard, ahead of its call
+                    self._cut(state, toks, idx, known, plan)
             if state.pool is None:
                 if seq > budget and state.units:
                     unplaced.append(state)
