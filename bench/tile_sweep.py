@@ -1,12 +1,13 @@
 """Launch parameters of the selection kernels, swept on the GPU: the tiles ``kernels/select.py`` uses were chosen here.
 
-    python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1] [--expand 32]
+    python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1] [--expand 32] [--kernels fine_bounds cut emit] [--box]
 
 For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
 per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1,
 all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
 ``--size`` chunks per fine cluster: 1, the default, or 2, the default when the tiles were chosen; ``--expand`` the
-coarse expansion, by default the config's: it sets how many fine clusters get bounds).
+coarse expansion, by default the config's: it sets how many fine clusters get bounds; ``--box``: the fine bounds
+rank boxes, as ``fine_bound`` "box" does).
 The tiles only split the same work among programs: every setting computes the same bounds, selection and lists.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from itertools import product
 
 import torch
 
@@ -24,8 +26,8 @@ from sgl_sparsekv.kernels import select as ks
 BUDGET, SINK, RECENT = 1024, 16, 64
 
 
-def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
-    c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size)
+def sweep(bs: int, ctx: int, size: float, expand: float, kernels: list[str], box: bool) -> list[dict]:
+    c = selection_case(bs, ctx, BUDGET, SINK, RECENT, fine_cluster_size=size, box=box)
     ftok = c["fine"][2]
     cfine, cstart, clen = c["chunks"]
     ranges = c["ranges"]
@@ -35,15 +37,14 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     heads = ks.all_heads(H, "cuda")
     expanded = ks.coarse_expand(q, c["coarse"], ranges, rem, expand, heads, 0.25)
     rows_out = []
-    for tile in (16, 32, 64):
-        for parts in (8, 16, 32, 64):
-            for warps in (2, 4, 8):
-                def bounds():
-                    ks.fine_bounds(q, c["fine"], ranges, expanded, bnd, heads, 0.25, parts, block_l=tile,
-                                   num_warps=warps)
-                rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
-                                 "ms": round(graph_bench(bounds), 4)})
-    for warps in (2, 4, 8, 16):
+    settings = product((16, 32, 64, 128), (8, 16, 32, 64, 128), (1, 2, 4)) if "fine_bounds" in kernels else ()
+    for tile, parts, warps in settings:
+        def bounds():
+            ks.fine_bounds(q, c["fine"], ranges, expanded, bnd, heads, 0.25, parts, block_l=tile, num_warps=warps,
+                           box=c["box"])
+        rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
+                         "ms": round(graph_bench(bounds), 4)})
+    for warps in (2, 4, 8, 16) if "cut" in kernels else ():
         for tile in (8192, 4096):
             def cut():
                 ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
@@ -53,7 +54,7 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     list_rows, fresh = ks.every_row_fresh(bs, "cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")
-    for tile in (32, 64, 128):
+    for tile in (32, 64, 128) if "emit" in kernels else ():
         for parts in (8, 16, 32):
             for warps in (2, 4, 8):
                 counts = torch.empty(bs * H * parts, dtype=torch.int32, device="cuda")
@@ -74,6 +75,10 @@ def sweep(bs: int, ctx: int, size: float, expand: float) -> list[dict]:
     return rows_out
 
 
+# each kernel's swept launch settings
+KEYS = {"fine_bounds": ("BLOCK_L", "parts", "warps"), "cut": ("BLOCK", "warps"), "emit": ("BLOCK_M", "parts", "warps")}
+
+
 def best(rows: list[dict], kernel: str, keys: tuple[str, ...]) -> list:
     """Settings of one kernel by their summed time over the batch sizes, fastest first."""
     per = defaultdict(dict)
@@ -89,15 +94,17 @@ def main():
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--size", type=float, default=FINE, help="fine_cluster_size")
     ap.add_argument("--expand", type=float, default=EXPAND, help="coarse_expand")
+    ap.add_argument("--kernels", nargs="+", default=list(KEYS), choices=list(KEYS), help="the kernels to sweep")
+    ap.add_argument("--box", action="store_true", help="fine bounds over boxes (fine_bound box)")
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name(), "fine_cluster_size": a.size, "coarse_expand": a.expand, "rows": []}
+    res = {"device": torch.cuda.get_device_name(), "context": a.context, "fine_cluster_size": a.size,
+           "coarse_expand": a.expand, "box": a.box, "rows": []}
     for bs in (16, 1):
-        res["rows"] += sweep(bs, a.context, a.size, a.expand)
+        res["rows"] += sweep(bs, a.context, a.size, a.expand, a.kernels, a.box)
         with open(a.out, "w") as f:
             json.dump(res, f)
-    for kernel, keys in (("fine_bounds", ("BLOCK_L", "parts", "warps")), ("cut", ("BLOCK", "warps")),
-                         ("emit", ("BLOCK_M", "parts", "warps"))):
-        print(kernel, keys, best(res["rows"], kernel, keys)[:3])
+    for kernel in a.kernels:
+        print(kernel, KEYS[kernel], best(res["rows"], kernel, KEYS[kernel])[:3])
 
 
 if __name__ == "__main__":

@@ -60,10 +60,15 @@ CUT_BAND, CUT_BAND_KEYS = 32, 1 << 16
 # the band, value bisection 8-9 (random and clustered keys, 340-10.6K clusters); a threshold near zero, where keys
 # crowd, still ends in key passes
 CUT_VALUE_STEPS = 12
-# rows per tile of the fine bounds and of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1
-# and 16, 32 programs per list) took 26 -> 17 us (emission) per layer at batch 16; the fine bounds' 32 rows, timed
-# on an H200 with bf16 centroids and coarse_expand 32, took 69 -> 57 us at batch 16 and 12.4 -> 8.1 us at batch 1
-FINE_BLOCK, EMIT_BLOCK = 32, 128
+# rows per tile of emission's chunk scan: a launch-parameter sweep on an H100 at 32K (batch 1 and 16, 32 programs per
+# list) took 26 -> 17 us per layer at batch 16
+EMIT_BLOCK = 128
+# (rows per tile, warps) of the fine bounds, by whether a tile is scored on the tensor cores (bf16 queries) or by
+# FMAs. The FMA kernel's 32 rows, timed on an H200 with coarse_expand 32, took 69 -> 57 us at batch 16 and 32K against
+# 16. Swept on an H100 with one chunk per fine cluster (bench/results/fine_bounds_eager_h100.json), the tensor-core
+# kernel takes 0.043 -> 0.025 ms at batch 16 and 32K with 64 rows and 2 warps instead of 32 and 4 (126K: 0.086 ->
+# 0.037; batch 1 at 32K: 0.0054 -> 0.0044 with 64 programs per list)
+FINE_TILE = {True: (64, 2), False: (32, 4)}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # rows of ``ranges``: segment 0 (adopted, shared), segment 1 (the request's own), the scratch offset
 RANGE_FIELDS = ("co0", "P0", "fo0", "L0", "ko0", "M0", "co1", "P1", "fo1", "L1", "ko1", "M1", "so")
@@ -237,17 +242,19 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, T, st, Expanded, Bnd, S, He
 
 
 def fine_bounds(q, fine, ranges, expanded, bnd, heads, radius_weight: float, parts: int, max_coarse: int = 64,
-                block_l: int = FINE_BLOCK, num_warps: int = 4, box=None):
+                block_l: int | None = None, num_warps: int | None = None, box=None):
     """Launch ``_fine_bounds_kernel`` for the batch of ``q`` (one row per request) into the scratch ``bnd``, after
-    the coarse expansion wrote ``expanded``; ``block_l`` and ``num_warps`` for launch-parameter sweeps. bf16
-    queries (a bf16 model's, with ``gqa_reduce`` "max") are scored on the tensor cores: 0.057 -> 0.045 ms per layer
-    at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json); others by fp32 FMAs. ``box``:
-    the fine boxes [F, H, 2, d] that rank the clusters instead (``IndexPools.box_layer``; unread without)."""
+    the coarse expansion wrote ``expanded``; ``block_l`` and ``num_warps`` (by default ``FINE_TILE``'s) for
+    launch-parameter sweeps. bf16 queries (a bf16 model's, with ``gqa_reduce`` "max") are scored on the tensor
+    cores: 0.057 -> 0.045 ms per layer at batch 16 and 32K on an H200 (bench/results/fine_bounds_tiles_h200.json);
+    others by fp32 FMAs. ``box``: the fine boxes [F, H, 2, d] that rank the clusters instead
+    (``IndexPools.box_layer``; unread without)."""
     bs, Hq, D = q.shape
     (fmu, fsc), fr, _, fpar = fine
     H = fmu.shape[1]
     R = heads.numel()
     dot = q.dtype == torch.bfloat16
+    block_l, num_warps = block_l or FINE_TILE[dot][0], num_warps or FINE_TILE[dot][1]
     _fine_bounds_kernel[(bs * R, parts)](q, fmu, fsc, fr, fpar, fmu if box is None else box, ranges, ranges.stride(0),
                                          expanded, bnd, bnd.stride(0), heads, R, float(radius_weight), q.stride(0),
                                          q.stride(1), fmu.stride(0),
