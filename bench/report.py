@@ -444,6 +444,20 @@ def cut_probe_table(path: Path) -> str:
                     [(c, b, n, *(cell(v, c, b, f) for f in fields for v in variants)) for c, b, n in cases])
 
 
+def selection_variant_table(path: Path) -> str:
+    """A selection change against main's, swapped in turn in one call: each kernel's ms per sparse layer, their sum
+    (selection and token lists) and the layer's whole chain, by variant, context and batch."""
+    r = json.loads(path.read_text())
+    parts = ("coarse", "fine_bounds", "cut", "emit")
+    return md_table(f"Selection variant, {r['device']} ({r['gpu']}, {r['tree']}): {r['what']} "
+                    f"(`{path.relative_to(RESULTS.parent.parent)}`)",
+                    ["variant", "context", "batch", "fine clusters", *(f"{p} ms" for p in parts), "selection ms",
+                     "attend ms", "chain ms"],
+                    [(x["variant"], x["ctx"], x["bs"], x["fine_clusters"], *(f"{x[p + '_ms']:.4f}" for p in parts),
+                      f"{sum(x[p + '_ms'] for p in parts):.4f}", f"{x['attend_ms']:.4f}", f"{x['layer_ms']:.4f}")
+                     for x in r["rows"]])
+
+
 def pdl_probe_table(path: Path) -> str:
     """One sparse layer's kernel chain in one graph, launched plainly and with programmatic dependent launch."""
     r = json.loads(path.read_text())
@@ -716,7 +730,7 @@ def compare_fidelity_table(path: Path) -> str:
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
 # bench/RESULTS.md
-LATEST = ("gpu_serving_h200_host_fuse_shared.json", "gpu_serving_h200_random_latekeys.json",
+LATEST = ("gpu_serving_h200_fine_tiles_shared.json", "gpu_serving_h200_random_latekeys.json",
           "gpu_serving_h200_random_c1.json", "gpu_serving_h200_tpot64k.json", "gpu_serving_h200_ahead.json",
           "gpu_serving_h200_chain_tpot.json", "gpu_serving_h200_chain_shared.json",
           "fidelity_qwen2.5-coder-0.5b_16k_gpu.json", "fidelity_qwen2.5-coder-0.5b_30k_gpu.json",
@@ -734,6 +748,8 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
                      ("gpu_serving_h200_check_a22444c.json", serving_table),
+                     ("gpu_serving_h200_fine_tiles_shared.json", serving_table),
+                     ("selection_breakdown_fine_tiles_h100.json", selection_variant_table),
                      ("gpu_serving_h200_host_fuse_shared.json", serving_table),
                      ("gpu_serving_h200_packed_shared.json", serving_table),
                      ("gpu_serving_h200_gpu_queue_shared.json", serving_table),
