@@ -249,9 +249,9 @@ def host_time() -> list[str]:
 SELECTION_PARTS = ("coarse_ms", "fine_bounds_ms", "cut_ms", "emit_ms")
 
 
-def batch16_32k(rows: list) -> dict:
-    """A selection breakdown's row at batch 16 and 32K: the variant kept (the last)."""
-    return [x for x in rows if x["ctx"] == 32768 and x["bs"] == 16][-1]
+def batch16_32k(rows: list, variant: int = -1) -> dict:
+    """A selection breakdown's row at batch 16 and 32K: by default the variant kept (the last); 0, the one before."""
+    return [x for x in rows if x["ctx"] == 32768 and x["bs"] == 16][variant]
 
 
 def selection_ms(row: dict) -> float:
@@ -264,7 +264,7 @@ def selection() -> list[str]:
     ms = selection_ms(row)
     measured = (f"{ms:.3f} ms: " + ", ".join(f"{p[:-3].replace('_', ' ')} {row[p]:.3f}" for p in SELECTION_PARTS)
                 + f", {cite(SELECTION, r)}")
-    base = selection_ms([x for x in r["rows"] if x["ctx"] == 32768 and x["bs"] == 16][0])
+    base = selection_ms(batch16_32k(r["rows"], 0))
     why = (f"{base:.3f} ms with the tiles before in the same call; four kernels in a chain, each bound by latency, "
            "not bytes: the fine bounds (each request's query group against every fine cluster its coarse expansion "
            "keeps, about all of them at 32K), the budget cut, and emission's count and write")
