@@ -44,8 +44,8 @@ def sweep(bs: int, ctx: int, size: float, expand: float, kernels: list[str], box
                            box=c["box"])
         rows_out.append({"bs": bs, "k": "fine_bounds", "BLOCK_L": tile, "parts": parts, "warps": warps,
                          "ms": round(graph_bench(bounds), 4)})
-    for warps in (2, 4, 8, 16) if "cut" in kernels else ():
-        for tile in (8192, 4096):
+    for warps in (4, 8, 16, 32) if "cut" in kernels else ():
+        for tile in (16384, 8192, 4096):
             def cut():
                 ks._cut_kernel[(bs * H,)](bnd, ftok, ranges, st, rem, sel, sel.stride(0), heads, H, H=H, BLOCK=tile,
                                           BAND=ks.CUT_BAND, BAND_KEYS=ks.CUT_BAND_KEYS,
@@ -54,8 +54,8 @@ def sweep(bs: int, ctx: int, size: float, expand: float, kernels: list[str], box
     lens = torch.empty(bs * H, dtype=torch.int32, device="cuda")
     list_rows, fresh = ks.every_row_fresh(bs, "cuda")
     windows = torch.empty(bs * H * BUDGET, dtype=torch.int32, device="cuda")
-    for tile in (32, 64, 128) if "emit" in kernels else ():
-        for parts in (8, 16, 32):
+    for tile in (32, 64, 128, 256) if "emit" in kernels else ():
+        for parts in (8, 16, 32, 64, 128):
             for warps in (2, 4, 8):
                 counts = torch.empty(bs * H * parts, dtype=torch.int32, device="cuda")
 
