@@ -5,6 +5,11 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # CI's two workers share two cores: one torch thread each (the servers they start inherit it), else each
+    # process's two threads wait on each other whenever the other worker holds a core
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
     # No GPU: Triton kernels run in its interpreter (set before any kernel module is imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,6 +28,33 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     kernel_bounds.install()     # every load and store inside the launch's tensors
     poison_empty.install()      # no read of memory the plugin allocated and never wrote
     kernel_launches.install()   # each launch's signature, compiled for sm_90 at the end
+
+
+# The halves `pytest -n 2` (CI) runs side by side, about equal on 2 cores: the e2e module's servers and the quick
+# fidelity run in one, everything else, the kernel tests and the CPU stress run, in the other. Every interpreted
+# kernel launch must happen in the "kernels" half, whose last test compiles them all for sm_90.
+SERVERS_HALF = ("test_e2e_server.py::", "test_fidelity_quick.py::test_quick_mode")
+
+
+def half(nodeid: str) -> str:
+    return "servers" if nodeid.rsplit("/", 1)[-1].startswith(SERVERS_HALF) else "kernels"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Halves(LoadScopeScheduling):   # one worker a half; a half's tests in collection order
+        def _split_scope(self, nodeid: str) -> str:
+            return half(nodeid)
+
+    return Halves(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _launches_in_the_kernels_half(request):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        kernel_launches.ELSEWHERE = half(request.node.nodeid) != "kernels" and "PYTEST_XDIST_WORKER" in os.environ
 
 
 def _interrupt(signum, frame):

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -319,11 +320,14 @@ def test_alongside_stops_every_server_when_one_fails(tmp_path):
 
     servers = _fake_servers(tmp_path, "abcd", 0.2)
     pids = {}
+    a_at_work = threading.Event()
 
     def work(key, srv):
         pids[key] = srv.proc.pid
-        if key == "b":
+        if key == "b":   # fails while a is at work, whichever of the two got ready first
+            a_at_work.wait(15)
             raise ValueError("b failed")
+        a_at_work.set()
         while True:   # a's work, as a request stream: it ends only because its server is stopped under it
             requests.get(srv.url, timeout=5).raise_for_status()
             time.sleep(0.05)
