@@ -22,6 +22,7 @@ import torch
 
 from bench.bench_kernels import D, EXPAND, FINE, H, HQ, graph_bench, selection_case
 from sgl_sparsekv.kernels import select as ks
+from sgl_sparsekv.patches.pooled_decode import parts_for
 
 BUDGET, SINK, RECENT = 1024, 16, 64
 
@@ -36,6 +37,10 @@ def sweep(bs: int, ctx: int, size: float, expand: float, kernels: list[str], box
     bnd, sel = c["scratch"]
     heads = ks.all_heads(H, "cuda")
     expanded = ks.coarse_expand(q, c["coarse"], ranges, rem, expand, heads, 0.25)
+    # the step's bounds and picks, as the server's launches compute them: the cut reads the bounds and emission the
+    # picks, whichever kernels are swept (without this, a sweep of the cut alone read a fresh scratch's garbage)
+    ks.select_fine(q, c["coarse"], c["fine"], ranges, rem, expand, parts=parts_for(bs), out=(bnd, sel),
+                   radius_weight=0.25, heads=heads, box=c["box"])
     rows_out = []
     settings = product((16, 32, 64, 128), (8, 16, 32, 64, 128), (1, 2, 4)) if "fine_bounds" in kernels else ()
     for tile, parts, warps in settings:
