@@ -1,10 +1,11 @@
 """Launch parameters of the selection kernels, swept on the GPU: the tiles ``kernels/select.py`` uses were chosen here.
 
     python3 -m bench.tile_sweep --out $OUT/tiles.json [--size 1] [--expand 32] [--kernels fine_bounds cut emit] [--box]
+        [--batches 16 1]
 
 For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
-per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1,
-all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
+per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1
+(``--batches``), all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
 ``--size`` chunks per fine cluster: 1, the default (the fine bounds' tiles were chosen at it), or 2, the default
 when the cut's and emission's were; ``--expand`` the coarse expansion, by default the config's: it sets how many fine
 clusters get bounds; ``--box``: the fine bounds rank boxes, as ``fine_bound`` "box" does).
@@ -101,10 +102,11 @@ def main():
     ap.add_argument("--expand", type=float, default=EXPAND, help="coarse_expand")
     ap.add_argument("--kernels", nargs="+", default=list(KEYS), choices=list(KEYS), help="the kernels to sweep")
     ap.add_argument("--box", action="store_true", help="fine bounds over boxes (fine_bound box)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[16, 1])
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "context": a.context, "fine_cluster_size": a.size,
            "coarse_expand": a.expand, "box": a.box, "rows": []}
-    for bs in (16, 1):
+    for bs in a.batches:
         res["rows"] += sweep(bs, a.context, a.size, a.expand, a.kernels, a.box)
         with open(a.out, "w") as f:
             json.dump(res, f)
