@@ -5,10 +5,10 @@
 
 For the fine bounds (rows per tile, programs per list, warps), the cut (register tile, warps) and emission (chunks
 per tile, programs per list, warps), each setting's GPU time from CUDA graph replays at 32K tokens, batch 16 and 1
-(``--batches``), all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in ``bench_kernels``,
-``--size`` chunks per fine cluster: 1, the default (the fine bounds' tiles were chosen at it), or 2, the default
-when the cut's and emission's were; ``--expand`` the coarse expansion, by default the config's: it sets how many fine
-clusters get bounds; ``--box``: the fine bounds rank boxes, as ``fine_bound`` "box" does).
+(``--batches``), all 8 KV heads retrieving (Llama-3.1-8B attention shape, budget 1024, random unit keys as in
+``bench_kernels``, ``--size`` chunks per fine cluster: 1, the default (the fine bounds' tiles were chosen at it), or
+2, the default when the cut's and emission's were; ``--expand`` the coarse expansion, by default the config's: it
+sets how many fine clusters get bounds; ``--box``: the fine bounds rank boxes, as ``fine_bound`` "box" does).
 The tiles only split the same work among programs: every setting computes the same bounds, selection and lists.
 """
 
