@@ -30,11 +30,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     kernel_launches.install()   # each launch's signature, compiled for sm_90 at the end
 
 
-# The halves `pytest -n 2` (CI) runs side by side on 2 cores: the e2e module's servers in one, everything else (the
-# kernel tests, the CPU stress run, the quick fidelity run) in the other. Measured at c739b9a with the quick run in
-# the servers' half, they took 1917 and 1045 s; moved, about 1400 and 1560. Every interpreted kernel launch must
-# happen in the "kernels" half, whose last test compiles them all for sm_90.
-SERVERS_HALF = ("test_e2e_server.py::",)
+# The halves `pytest -n 2` (CI) runs side by side, about equal on 2 cores: the e2e module's servers and the quick
+# fidelity run in one, everything else, the kernel tests and the CPU stress run, in the other. Every interpreted
+# kernel launch must happen in the "kernels" half, whose last test compiles them all for sm_90.
+SERVERS_HALF = ("test_e2e_server.py::", "test_fidelity_quick.py::test_quick_mode")
 
 
 def half(nodeid: str) -> str:
