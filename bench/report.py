@@ -749,6 +749,7 @@ def main(argv=None):
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
                      ("gpu_serving_h200_check_a22444c.json", serving_table),
                      ("gpu_serving_h200_fine_tiles_shared.json", serving_table),
+                     ("selection_breakdown_cut_warps_h100.json", selection_variant_table),
                      ("selection_breakdown_fine_tiles_h100.json", selection_variant_table),
                      ("gpu_serving_h200_host_fuse_shared.json", serving_table),
                      ("gpu_serving_h200_packed_shared.json", serving_table),

@@ -49,7 +49,8 @@ NEG = tl.constexpr(float("-inf"))
 # a (request, KV head) with at most CUT_BLOCK fine clusters (~196K tokens at 12-token chunks, one per cluster) is
 # cut in registers, by CUT_WARPS warps. Timed on an H200 (batch 16, per layer): 8192 and 8 warps, as up to c436d85,
 # took 17 us at 2.7K clusters, 37 us at 4.2K and 167-185 us at 8.3K-10.6K (past the block: passes over memory);
-# 16384 and 16 warps take 18, 28 and 67 us
+# 16384 and 16 warps take 18, 28 and 67 us. 8 warps, on an H100: 1.4 us faster at 32K, 1.6-1.9 us slower at 126K, the
+# layer's chain slower at both (bench/results/selection_breakdown_cut_warps_h100.json)
 CUT_BLOCK, CUT_WARPS = 16384, 16
 # the register cut's last passes run on the clusters whose bounds lie within CUT_BAND_KEYS float steps of the cut
 # (2^16: 1/128 of a binade), gathered into a tile of CUT_BAND when they are that few: on an H200 at 32K this took
