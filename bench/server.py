@@ -21,6 +21,9 @@ import requests
 # --dtype float32: on an AVX2 CPU torch runs a bf16 linear layer at a sixth of fp32's speed
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--grammar-backend", "none", "--sleep-on-idle",
             "--dtype", "float32"]
+# a path: once that file exists, the CPU servers launched from then on run one torch thread per core (the test run
+# that sets it holds them to one while another process of its own works beside them: tests/conftest.py)
+CORES_FREED = "SPARSEKV_CORES_FREED"
 
 
 def ephemeral_floor() -> int:
@@ -221,7 +224,10 @@ class Server:
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, _exit_on_sigterm)
             # outside the checkout: its kernels/ folder would shadow the PyPI package `kernels` SGLang may import
-            self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+            env = self.env
+            if (freed := env.get(CORES_FREED)) and os.path.exists(freed):
+                env = dict(env, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+            self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, cwd=tempfile.gettempdir())
             self.launched_at = time.monotonic()
         return self

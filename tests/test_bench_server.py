@@ -160,6 +160,29 @@ def test_lineup_starts_servers_in_groups(tmp_path):
     assert started() == "" and not alive(pid_c)
 
 
+def test_cpu_servers_take_every_core_once_the_cores_are_freed(tmp_path, monkeypatch):
+    """A test run holding its servers to one torch thread (OMP_NUM_THREADS=1, CI's halves) frees the cores by
+    creating the file bench.server.CORES_FREED names: servers launched before it keep the inherited thread count,
+    those launched after it run one thread per core, the ones constructed before it included."""
+    from bench.server import CORES_FREED, Server
+
+    freed = tmp_path / "kernels-done"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv(CORES_FREED, str(freed))
+    report = "import os, sys; print(os.environ['OMP_NUM_THREADS'], flush=True)"
+
+    def threads(key: str, srv: Server) -> str:
+        srv.args = [sys.executable, "-c", report]
+        srv.launch().proc.wait(timeout=60)
+        srv.__exit__()
+        return (tmp_path / f"{key}.log").read_text().strip()
+
+    before, after = (Server("unused", log_path=str(tmp_path / f"{k}.log")) for k in "ab")
+    assert threads("a", before) == "1"
+    freed.touch()
+    assert threads("b", after) == str(os.cpu_count())
+
+
 def test_free_ports_stay_below_the_ports_the_os_numbers_itself():
     """A server's own NCCL port comes from the OS's ephemeral range (bind to port 0): a chosen HTTP port there was
     taken before the server bound it. Every port, with SGLang's derived ports (up to +239), lies below that range."""

@@ -1,6 +1,6 @@
 """End to end through the real SGLang HTTP server on CPU with SmolLM2-135M: off vs lychee vs quest.
 
-Budget 256, so contexts of 2K-3K tokens really decode sparsely. Every check is deterministic: the
+Budget 256, so contexts of 1.5K-2.5K tokens really decode sparsely. Every check is deterministic: the
 plugin's counters, the radix cache's reuse, exact token equality below the budget (the same kernels
 run), and the state after traffic. Whether a 135M model's sparse answer to a long prompt matches its
 dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py, bench/passkey_table.py),
@@ -20,7 +20,7 @@ from sgl_sparsekv.chunking import BoundaryTable, Chunker
 pytestmark = pytest.mark.e2e
 
 BUDGET = {"token_budget": 256}
-PASSKEY_LEN = 3000
+PASSKEY_LEN = 2000   # the budget is 13% of it
 DECODE_TOKENS = 8
 SHORT_PROMPTS = [
     "Write a haiku about the sea.",
@@ -44,7 +44,7 @@ def fork_program():
     return ask_all
 
 
-def fork_doc(tok, n_tokens=2500):
+def fork_doc(tok, n_tokens=1500):
     """A long document shared by every fork, and one question per fork (phrasings the model handles)."""
     prompt, _ = passkey(tok, n_tokens, 0.6, seed=3)
     doc = prompt.split("\nWhat is the pass key?")[0]
@@ -255,7 +255,7 @@ def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smoll
 
 def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     method, srv, _ = sparse
-    prompt, _ = passkey(smollm2_tokenizer, 2500, 0.7, seed=21)
+    prompt, _ = passkey(smollm2_tokenizer, 2000, 0.7, seed=21)
     prompt = "Shared-prefix check. " + prompt  # nothing earlier in the session shares this prefix
     s0 = srv.stats()
     first = srv.complete(prompt, max_tokens=2)
@@ -266,7 +266,7 @@ def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     assert built_first > 100
     assert s2["units_reused"] - s1["units_reused"] >= 0.95 * built_first
     assert s2["units_built"] - s1["units_built"] < 0.1 * built_first
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * first["usage"]["prompt_tokens"]
     if method == "lychee":
         assert s2["index_reused"] - s1["index_reused"] == 1   # one index holds every sparse layer
         assert s2["index_builds"] == s1["index_builds"]
