@@ -12,7 +12,7 @@ import sys
 from bench.fidelity import per_task
 from bench.frontier import SWEEP, best_runs, swept
 from bench.report import md_table
-from bench.targets import (FIDELITY, LONG, PROFILE_16, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
+from bench.targets import (FIDELITY, FULL, LONG, PROFILE_16, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
                            SHARED_AHEAD_BOX, SHARED_RUNS, TPOT, TPOT_AHEAD, TPOT_AHEAD_BOX, TPOT_AHEAD_JOIN, correct,
                            index_shares, latest_run, load, over_4k, batch16_32k, selection_ms)
 
@@ -22,7 +22,7 @@ COLUMNS = {"dense": "off", "lychee (the default)": "lychee", "lychee, `fine_boun
            "lychee-ahead-box-0.25"}
 NOT = "not measured"
 BOX_SERVING, BOX_SELECTION = "gpu_serving_h200_box_dense.json", "selection_breakdown_box_h200.json"
-SHARED64_C32, BUILD = "gpu_serving_h100_default.json", "index_build_h100_fine1.json"
+BUILD = "index_build_h100_fine1.json"
 QWEN_SHAPE = "gpu_serving_h200_qwen05b_roles.json"
 BOX_RECALL = "attention_recall_qwen_box_16k.json"
 
@@ -75,9 +75,10 @@ def shared_prefix() -> list[str]:
 
 
 def shared64() -> list[str]:
-    r = load(SHARED64_C32)
-    return ["the same prefixes, 64 requests at concurrency 32", "1.00x",
-            f"{r['shared64_c32']['throughput_ratio']:.2f}x {at(r)}", NOT, NOT, NOT]
+    r = load(FULL)
+    return ["the same prefixes, 64 requests at concurrency 16 / 32", "1.00x",
+            f"{r['shared64_c16']['throughput_ratio']:.2f}x / {r['shared64_c32']['throughput_ratio']:.2f}x (steady "
+            f"decode at batch 32 {r['shared64_c32']['steady_decode_ratio']:.2f}x) {at(r)}", NOT, NOT, NOT]
 
 
 def random_ids() -> list[str]:
@@ -149,7 +150,7 @@ def pays() -> str:
     """The README's opening summary: where lychee wins and where it loses, every number read from the results the
     tables below it read (``python -m bench.glance --pays``)."""
     shared = [r["shared_prefix"]["throughput_ratio"] for r in map(load, SHARED_RUNS) if "shared_prefix" in r]
-    rnd, same = load(RANDOM)["random_ids"], load(TPOT)["tpot_ratio_lychee_over_dense"]
+    rnd, same, full = load(RANDOM)["random_ids"], load(TPOT)["tpot_ratio_lychee_over_dense"], load(FULL)
     ab, abt = load(SHARED_AHEAD_BOX)["lychee-ahead-box_over_dense"]["shared"], load(TPOT_AHEAD_BOX)
     at30 = load(FIDELITY["30K"])["runs"]
     ahead30, dense30 = latest_run(at30, "lychee-ahead-box-0.25"), latest_run(at30, "off", None)
@@ -174,7 +175,13 @@ def pays() -> str:
         f"({shared[-1]:.2f}x in the latest) and random 32K prompts at {rnd['throughput_ratio']:.2f}x (median "
         f"inter-token latency {rnd['median_itl_ratio']:.2f}x); at batch 1 lychee's step costs "
         + " / ".join(f"{same[str(c)]:.2f}x" for c in LONG)
-        + " dense's step at the same length at 32K / 64K / 126K. With the two options `select_ahead` and `fine_bound` "
+        + " dense's step at the same length at 32K / 64K / 126K. One H100 ran the whole benchmark in one place "
+        f"{at(full)}: the shared prefix at {full['shared_prefix']['throughput_ratio']:.2f}x, 64 requests over the same "
+        f"prefixes at {full['shared64_c16']['throughput_ratio']:.2f}x with 16 at a time and "
+        f"{full['shared64_c32']['throughput_ratio']:.2f}x with 32, random 32K prompts at "
+        f"{full['random_ids']['throughput_ratio']:.2f}x, a batch-1 step at "
+        + " / ".join(f"{full['tpot_ratio_lychee_over_dense'][str(c)]:.2f}x" for c in LONG)
+        + " dense's at the same length. With the two options `select_ahead` and `fine_bound` "
         "box together the shared prefix runs at "
         f"{ab['throughput_ratio']:.2f}x (steady decode at batch 16 {ab['steady_decode_ratio']:.2f}x), a batch-1 step "
         "at 32K / 64K / 126K costs " + " / ".join(f"{over_4k(abt, 'lychee-ahead-box', c):.2f}x" for c in LONG)
