@@ -12,9 +12,9 @@ import sys
 from bench.fidelity import per_task
 from bench.frontier import SWEEP, best_runs, swept
 from bench.report import md_table
-from bench.targets import (FIDELITY, FULL, LONG, PROFILE_16, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
+from bench.targets import (BUILD, FIDELITY, FULL, LONG, PROFILE_16, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
                            SHARED_AHEAD_BOX, SHARED_RUNS, TPOT, TPOT_AHEAD, TPOT_AHEAD_BOX, TPOT_AHEAD_JOIN, correct,
-                           index_shares, latest_run, load, over_4k, batch16_32k, selection_ms)
+                           build_ms, index_shares, latest_run, load, over_4k, batch16_32k, selection_ms)
 
 # the options compared, by the names bench.fidelity gives their runs
 COLUMNS = {"dense": "off", "lychee (the default)": "lychee", "lychee, `fine_bound` box": "lychee-box-0.25",
@@ -22,7 +22,6 @@ COLUMNS = {"dense": "off", "lychee (the default)": "lychee", "lychee, `fine_boun
            "lychee-ahead-box-0.25"}
 NOT = "not measured"
 BOX_SERVING, BOX_SELECTION = "gpu_serving_h200_box_dense.json", "selection_breakdown_box_h200.json"
-BUILD = "index_build_h100_fine1.json"
 QWEN_SHAPE = "gpu_serving_h200_qwen05b_roles.json"
 BOX_RECALL = "attention_recall_qwen_box_16k.json"
 
@@ -119,11 +118,9 @@ def index_memory() -> list[str]:
 
 
 def index_build() -> list[str]:
-    r = load(BUILD)
-    ms = {b["context"]: b["kernel_ms"] for b in r["builds"] if b["fine_cluster_size"] == 1.0}
     return ["index build, one prompt, all 30 sparse layers: 32K / 126K tokens", "-",
-            f"{ms[32768]:.1f} / {ms[129024]:.0f} ms {at(r)}", "as lychee, plus the boxes' min/max pooling", "as lychee",
-            "as `fine_bound` box"]
+            f"{build_ms(32768):.1f} / {build_ms(129024):.0f} ms {at(load(BUILD))}",
+            "as lychee, plus the boxes' min/max pooling", "as lychee", "as `fine_bound` box"]
 
 
 def qwen_shape() -> list[str]:

@@ -38,7 +38,8 @@ from bench.server import Server
 COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
           "--mem-fraction-static", "0.8", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
           "--context-length", "131072"]
-KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms")
+KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms",
+        "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_e2e_latency_ms")
 WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
@@ -217,6 +218,8 @@ def ratios(dense: dict, lychee: dict) -> dict:
             if all(steady) else None,
             "median_tpot_ratio": r("median_tpot_ms"),
             "median_itl_ratio": r("median_itl_ms"), "mean_ttft_ratio": r("mean_ttft_ms"),
+            "median_ttft_ratio": r("median_ttft_ms"), "p99_ttft_ratio": r("p99_ttft_ms"),
+            "mean_e2e_latency_ratio": r("mean_e2e_latency_ms"),
             "lychee_host_ms_per_decode_step": lychee.get("host_ms_per_decode_step"),
             "lychee_decode_host_syncs": lychee.get("plugin", {}).get("decode_host_syncs"),
             "errors": {"dense": dense["errors"], "lychee": lychee["errors"]}}
