@@ -214,6 +214,24 @@ def test_steady_decode_reads_the_full_batch_lines_of_the_servers_log():
     assert ratios({**base, "steady_decode": None}, {**base, "steady_decode": got})["steady_decode_ratio"] is None
 
 
+def test_serving_ratios_keep_the_ttft_spread_and_end_to_end_latency():
+    """Lychee over dense for the TTFT's median and p99 and the mean end-to-end latency (a closed loop's mean TTFT
+    can rise while every request finishes sooner); a result from before they were kept reads None, not an error."""
+    from bench.gpu_serving import KEEP, ratios
+
+    assert {"median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_e2e_latency_ms"} <= set(KEEP)
+    dense = {"output_throughput": 100.0, "errors": 0, "mean_ttft_ms": 7200.0, "median_ttft_ms": 7300.0,
+             "p99_ttft_ms": 19000.0, "mean_e2e_latency_ms": 18300.0}
+    lychee = {**dense, "mean_ttft_ms": 8000.0, "median_ttft_ms": 13000.0, "p99_ttft_ms": 16600.0,
+              "mean_e2e_latency_ms": 16100.0}
+    r = ratios(dense, lychee)
+    assert (r["mean_ttft_ratio"], r["median_ttft_ratio"], r["p99_ttft_ratio"], r["mean_e2e_latency_ratio"]) == \
+        (round(8000 / 7200, 3), round(13000 / 7300, 3), round(16600 / 19000, 3), round(16100 / 18300, 3))
+    old = {"output_throughput": 100.0, "errors": 0, "mean_ttft_ms": 7200.0}
+    r = ratios(old, old)
+    assert r["mean_ttft_ratio"] == 1.0 and r["p99_ttft_ratio"] is None and r["mean_e2e_latency_ratio"] is None
+
+
 def test_servers_stop_without_sglangs_crash_diagnostics(monkeypatch):
     """SGLang takes the SIGTERM that stops a server for a crash and, by default, sleeps 5 s before py-spy and CUDA
     core dumps: the harness's servers turn that off, unless the caller's environment asks for it."""
