@@ -523,9 +523,16 @@ def busy_lifecycle_table(path: Path) -> str:
                     f"commit {r['commit']} (`{path.relative_to(RESULTS.parent.parent)}`)",
                     ["GPU before the event", "adoption: prepare_extend", "adoption: index placed (host)",
                      "request end (host)", "32K build (host)", "32K build (GPU done)"],
-                    [(label, *(r[k][x] for x in keys)) for k, label in
-                     (("idle_gpu", "idle"), ("busy_gpu_20ms", "20 ms of work queued"),
-                      ("busy_gpu_20ms_2000_kernels", "20 ms of work queued as 2000 kernels")) if k in r])
+                    [(busy_label(run), *(run[x] for x in keys)) for run in r.values()
+                     if isinstance(run, dict) and "busy_ms" in run])
+
+
+def busy_label(run: dict) -> str:
+    """How much GPU work ``bench.host_lifecycle`` queued before each event, and in how many kernels."""
+    if not run["busy_ms"]:
+        return "idle"
+    kernels = run.get("busy_kernels", 1)
+    return f"{run['busy_ms']:g} ms of work queued" + (f" as {kernels} kernels" if kernels > 1 else "")
 
 
 def build_table(path: Path) -> str:
@@ -747,6 +754,7 @@ def main(argv=None):
                      ("fidelity_qwen2.5-coder-0.5b_30k_gpu.json", fidelity_runs_table),
                      ("fidelity_qwen2.5-coder-0.5b_16384_gpu.json", fidelity_runs_table),
                      ("gpu_serving_h100_full.json", serving_table),
+                     ("host_lifecycle_h100_launch_queue.json", busy_lifecycle_table),
                      ("gpu_serving_h200_check_cf05bee.json", serving_table),
                      ("gpu_serving_h200_check_a22444c.json", serving_table),
                      ("gpu_serving_h200_fine_tiles_shared.json", serving_table),
