@@ -151,7 +151,7 @@ def launch_queue() -> str:
     one, many = r["busy_gpu_300ms"], r["busy_gpu_300ms_600_kernels"]
     return (f"behind 300 ms of GPU work queued as 600 kernels (a prefill's layers queue long kernels too), a 32K "
             f"build's host time is {many['build_index_host_ms']:.0f} ms against {one['build_index_host_ms']:.0f} "
-            "behind one kernel, while its GPU work is {many['build_index_ms'] - many['busy_ms']:.0f}-"
+            f"behind one kernel, while its GPU work is {many['build_index_ms'] - many['busy_ms']:.0f}-"
             f"{one['build_index_ms'] - one['busy_ms']:.0f} ms either way: the host waits for slots in CUDA's launch "
             f"queue behind the prefill's own kernels ({cite(LAUNCH_QUEUE, r)}; the kernels alone "
             f"{build_ms(32768):.1f} ms, `{BUILD}`)")
