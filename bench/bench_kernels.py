@@ -5,8 +5,7 @@
 Per decode layer at context 8K-126K and batch 1/8/32:
   - dense decode baselines measured here: SGLang's Triton decode kernel and FlashInfer's paged decode;
   - sparse decode attention (kernels/sparse_decode.py) at budget 1024 and 2048;
-  - lychee selection cost: (a) bounds over coarse units and all fine clusters (kernels/bounds.py) plus a
-    torch sort / prefix sum, and (b) the fused kernels of kernels/select.py (coarse expansion, fine pick,
+  - lychee selection cost: the fused kernels of kernels/select.py (coarse expansion, fine pick,
     token-list emission), i.e. the whole per-layer retrieval, and that plus the attention (``sparse_layer_ms``),
     launched one by one and replayed from a CUDA graph (``*_graph_ms``, what the server's decode pays);
   - index build (kernels/pool.py + spherical k-means) for one layer vs. one prefill layer of the same
@@ -24,11 +23,11 @@ import time
 import torch
 import triton
 
+from bench.packing import over_shared, pack, pack_box
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
-from sgl_sparsekv.kernels.bounds import node_bounds
 from sgl_sparsekv.kernels.pool import pool_units
-from sgl_sparsekv.kernels.select import RANGE_FIELDS, emit_tokens, over_shared, pack, pack_box, scratch, select_fine
+from sgl_sparsekv.kernels.select import emit_tokens, scratch, scratch_rows, select_fine
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, workspace_for
 
 HQ, H, D = 32, 8, 128
@@ -79,28 +78,6 @@ def dense_flashinfer(q, k, v, indptr, indices):
     return lambda: w.run(q, (kc, vc))
 
 
-def selection_cost(bs, ctx, budget):
-    """Bounds for coarse units and every fine cluster, then the cluster pick (sort + prefix sum)."""
-    L = ctx // 24
-    P = min(64, math.ceil(math.sqrt(L)))
-    q = torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16)
-    mu_c = torch.nn.functional.normalize(torch.randn(bs, H, P, D, device="cuda"), dim=-1)
-    mu_f = torch.nn.functional.normalize(torch.randn(bs, H, L, D, device="cuda"), dim=-1)
-    r_c, r_f = torch.rand(bs, H, P, device="cuda"), torch.rand(bs, H, L, device="cuda")
-    n_c = torch.full((bs,), P, dtype=torch.int32, device="cuda")
-    n_f = torch.full((bs,), L, dtype=torch.int32, device="cuda")
-    tokens = torch.randint(16, 33, (bs, H, L), device="cuda").float()
-
-    def run():
-        node_bounds(q, mu_c, r_c, n_c)
-        ub = node_bounds(q, mu_f, r_f, n_f)
-        order = torch.sort(ub, dim=-1, descending=True, stable=True).indices
-        take = torch.cumsum(tokens.gather(2, order), -1) <= budget
-        return torch.zeros_like(take).scatter_(2, order, take)
-
-    return bench(run), L, P
-
-
 def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fine_cluster_size: float = FINE,
                    box: bool = False) -> dict:
     """A batch of ``bs`` requests of ``ctx`` tokens on the GPU as the pooled path holds it: packed indexes over
@@ -128,13 +105,12 @@ def selection_case(bs, ctx, budget, sink=16, recent=64, shared: bool = False, fi
         add(own_tokens, int(starts[0][-1] + lens[0][-1]) if shared else sink)
     coarse, fine, chunks, packed = pack(indexes, starts, lens, "cuda")
     ranges = over_shared(packed) if shared else packed
-    F = {name: i for i, name in enumerate(RANGE_FIELDS)}
     seq = [int(s[-1] + l[-1]) + 8 for s, l in zip(starts[len(indexes) - bs:], lens[len(indexes) - bs:])]
     # random chunk lengths sum past ctx at times: rows as long as the longest sequence, or emission reads past them
     width = max(seq)
     return dict(
         coarse=coarse, fine=fine, chunks=chunks, ranges=ranges.contiguous(), box=pack_box(indexes, "cuda") if box else None,
-        scratch=scratch(int((ranges[F["so"]] + ranges[F["L0"]] + ranges[F["L1"]]).max()), H, "cuda"),
+        scratch=scratch(scratch_rows(ranges, ranges.shape[1]), H, "cuda"),
         q=torch.randn(bs, HQ, D, device="cuda", dtype=torch.bfloat16),
         rem=torch.full((bs,), budget - sink - recent, dtype=torch.int32, device="cuda"),
         seq=torch.tensor(seq, dtype=torch.int32, device="cuda"),
@@ -274,10 +250,8 @@ def main():
         del k, v
         torch.cuda.empty_cache()
         for bs in a.selection_batches:
-            ms, L, P = selection_cost(bs, ctx, 1024)
             fused, layer, fused_g, layer_g = fused_selection_ms(bs, ctx, 1024)
-            res["selection"].append({"ctx": ctx, "bs": bs, "fine_clusters": L, "coarse_units": P, "torch_ms": ms,
-                                     "fused_ms": fused, "sparse_layer_ms": layer, "fused_graph_ms": fused_g,
+            res["selection"].append({"ctx": ctx, "bs": bs, "fused_ms": fused, "sparse_layer_ms": layer, "fused_graph_ms": fused_g,
                                      "sparse_layer_graph_ms": layer_g})
             print(json.dumps(res["selection"][-1]), flush=True)
         build = index_build_ms(ctx)

@@ -134,12 +134,12 @@ class Lineup:
         self.waiting.clear()
 
 
-def alongside(servers: dict, work, k: int, until: float | None = None):
+def alongside(servers: dict, work, k: int, until: float | None = None, clock=time.time):
     """Yields ``(key, work(key, srv))`` for each server as its work ends, ``k`` servers starting or at work at once,
     each on a thread of its own. For servers side by side on one GPU: SGLang sizes a server's KV pool from the
     memory free when it starts, so each must cap its pool (``--max-total-tokens``), else the first takes the memory
     the others need. A failure, or SIGTERM, stops every server and starts no more. A server whose turn comes at
-    ``until`` (a ``time.time()``) or later is not started and yields nothing."""
+    ``until`` (a ``clock()``, by default ``time.time()``) or later is not started and yields nothing."""
     if not servers:   # every cell served already (fidelity's --after): nothing to start, nothing to stop
         return
     stopping = threading.Event()
@@ -148,7 +148,7 @@ def alongside(servers: dict, work, k: int, until: float | None = None):
         srv = servers[key]
         if stopping.is_set():
             raise RuntimeError("stopped before its start")
-        if until is not None and time.time() >= until:
+        if until is not None and clock() >= until:
             return None
         try:
             srv.__enter__()

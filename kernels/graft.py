@@ -1,6 +1,6 @@
 """Lazy grafting on the GPU: add packed decode chunks to their nearest fine cluster, in the index pools.
 
-Twin: :func:`graft_chunks_ref` (``sgl_sparsekv.index.graft`` on views of the pool rows). One launch serves every
+Twin: ``sgl_sparsekv.pool_ops.graft_chunks_ref`` (the algorithm's ``index.graft`` on views of the pool rows). One launch serves every
 request's backlog of new chunks, for every sparse layer and KV head at once: program (request, layer * H + head)
 grafts its request's chunks in order, each to the nearest non-empty fine cluster by inner product (first index on
 ties, like ``argmax``): it moves that centroid by running mean, grows its radius by the shift and to cover the
@@ -10,11 +10,11 @@ With fine boxes (``fine_bound`` "box") the cluster's box grows to cover the chun
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-
-from sgl_sparsekv.index import graft
 
 
 @triton.jit
@@ -47,6 +47,37 @@ def _stored_box(lo, hi, dmask):
 # strides that follow the step's job and chunk counts, and the 16-byte alignment of the job table, lengths and
 # starts (slices of the step's one upload at offsets that follow its counts): specializing on either would
 # compile new variants mid-serving
+class GraftJob(NamedTuple):
+    """One request's backlog of new chunks, a column of :func:`graft_chunks`' ``jobs``: its chunks are the key rows
+    ``first_key .. first_key + chunks`` and go, in order, to consecutive chunk-pool rows from ``first_chunk_row``,
+    each into the nearest fine cluster of the request's own segment (``fines`` rows from ``fine_at``, coarse units
+    from ``coarse_at``)."""
+
+    first_key: int
+    chunks: int
+    fine_at: int
+    fines: int
+    coarse_at: int
+    first_chunk_row: int
+
+
+def graft_payload(jobs: list[GraftJob], lengths: list[int], starts: list[int]) -> list[int]:
+    """The integers of one :func:`graft_chunks` launch, ``jobs`` field by field, then each chunk's length and first
+    position: one upload with the step's other integers (``graft_args`` views them on the device)."""
+    return [v for field in zip(*jobs) for v in field] + list(lengths) + list(starts)
+
+
+def graft_args(payload: torch.Tensor, jobs: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(jobs, lengths, starts) of :func:`graft_chunks`, as views of ``graft_payload``'s integers on the device."""
+    n = len(GraftJob._fields) * jobs
+    return payload[:n].view(len(GraftJob._fields), jobs), payload[n:n + chunks], payload[n + chunks:]
+
+
+# the kernel's row indexes of GraftJob's fields in ``jobs``
+JOB_FIRST_KEY, JOB_CHUNKS, JOB_FINE_AT, JOB_FINES, JOB_COARSE_AT, JOB_FIRST_CHUNK_ROW = (
+    tl.constexpr(i) for i in range(len(GraftJob._fields)))
+
+
 @triton.jit(do_not_specialize=["s_sl", "s_jf", "s_jg"], do_not_specialize_on_alignment=["Jobs", "Length", "Start"])
 def _graft_kernel(Keys, Jobs, Length, Start,
                   FMu, FSc, FR, FN, FTok, FPar, CMu, CSc, CR, CN, CTok, KFine, KStart, KLen, FBox,
@@ -61,12 +92,12 @@ def _graft_kernel(Keys, Jobs, Length, Start,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     job = Jobs + g * s_jg
-    key0 = tl.load(job).to(tl.int64)
-    count = tl.load(job + s_jf).to(tl.int32)
-    fo = tl.load(job + 2 * s_jf).to(tl.int64)
-    L = tl.load(job + 3 * s_jf).to(tl.int32)
-    co = tl.load(job + 4 * s_jf).to(tl.int64)
-    row0 = tl.load(job + 5 * s_jf).to(tl.int64)
+    key0 = tl.load(job + JOB_FIRST_KEY * s_jf).to(tl.int64)
+    count = tl.load(job + JOB_CHUNKS * s_jf).to(tl.int32)
+    fo = tl.load(job + JOB_FINE_AT * s_jf).to(tl.int64)
+    L = tl.load(job + JOB_FINES * s_jf).to(tl.int32)
+    co = tl.load(job + JOB_COARSE_AT * s_jf).to(tl.int64)
+    row0 = tl.load(job + JOB_FIRST_CHUNK_ROW * s_jf).to(tl.int64)
     fbase = layer * s_fl          # [F, H] fields of this layer; mu rows are D wide
     for i in range(count):
         kr = key0 + i
@@ -139,9 +170,8 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
 
     keys: [layers, J, H, vecs, d] chunk keys (``SparseKVManager.chunk_keys``: the unit key, then with fine boxes
     the keys' min and max); lengths/starts: [J] each chunk's token
-    count and first position. jobs: [6, requests] integers, per request (first key row, chunk count, fine offset,
-    fine count, coarse offset, first chunk row): its chunks are key rows ``first .. first + count`` and go to
-    consecutive chunk-pool rows. All on the pools' device, so nothing here waits for the GPU.
+    count and first position. jobs: [len(GraftJob._fields), requests] integers, a ``GraftJob`` per request. All on
+    the pools' device, so nothing here waits for the GPU.
     """
     G = jobs.shape[1]
     if G == 0:
@@ -163,20 +193,6 @@ def precompile_graft(pools, key_dtype: torch.dtype) -> None:
     Ls, _, H, D = pools.fmu.shape
     if Ls == 0:
         return
-    payload = torch.zeros(8, dtype=torch.int64, device=pools.fmu.device)   # what PoolPlan.packed uploads
+    payload = torch.tensor(graft_payload([GraftJob(0, 0, 0, 0, 0, 0)], [0], [0]), device=pools.fmu.device)
     keys = torch.zeros(Ls, 1, H, pools.key_vecs, D, dtype=key_dtype, device=pools.fmu.device)
-    graft_chunks(pools, keys, payload[:6].view(6, 1), payload[6:7], payload[7:])
-
-
-def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.Tensor,
-                     starts: torch.Tensor) -> None:
-    """Torch twin of :func:`graft_chunks`: ``index.graft`` on [layers, heads] views of each request's rows."""
-    for k0, count, f0, L, c0, row0 in jobs.T.tolist():
-        view = pools.view(c0, f0, L)
-        for i in range(count):
-            kr, row = k0 + i, row0 + i
-            pools.kstart[row] = starts[kr]
-            pools.klen[row] = lengths[kr]
-            box = keys[:, kr, :, 1:].float() if pools.box else None
-            pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]), box)
-        pools.store_view(view, c0, f0)
+    graft_chunks(pools, keys, *graft_args(payload, 1, 1))

@@ -47,14 +47,6 @@ def write_page_table(bs: int, req_to_token: torch.Tensor, rows: torch.Tensor, le
                                        stride, HAS_START=start is not None, PROGRAMS=PROGRAMS, BLOCK=BLOCK)
 
 
-def page_table_torch(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, indptr: torch.Tensor,
-                     start: torch.Tensor | None, out: torch.Tensor) -> None:
-    """The twin: request by request."""
-    for b in range(rows.numel()):
-        s, n, o = (0 if start is None else int(start[b])), int(lens[b]), int(indptr[b])
-        out[o:o + n] = req_to_token[int(rows[b]), s:s + n]
-
-
 class PageTableWriter:
     """``writer[(bs,)](*args)``, as SGLang launches its kernel."""
 

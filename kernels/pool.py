@@ -9,10 +9,9 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from sgl_sparsekv.summary import summarize_units
 
 
 @triton.jit
@@ -107,5 +106,16 @@ def pool_units_layers(k_ptrs: torch.Tensor, k0: torch.Tensor, token_slots: torch
         out.stride(2), KDTYPE=_TL[k0.dtype], D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_T=16, MINMAX=minmax)
 
 
-# the torch twin is the reference the CPU path runs
-pool_units_ref = summarize_units
+def pool_units_ref(k_buffer: torch.Tensor, token_slots: torch.Tensor, indptr: torch.Tensor, minmax: bool) -> torch.Tensor:
+    """Torch twin of :func:`pool_units` (and, layer by layer, of :func:`pool_units_layers`): what the CPU path runs."""
+    counts = (indptr[1:] - indptr[:-1]).long()
+    seg = torch.repeat_interleave(torch.arange(len(counts), device=k_buffer.device), counts)
+    keys = k_buffer[token_slots.long()].float()
+    U, (H, D) = len(counts), keys.shape[1:]
+    if minmax:
+        idx = seg[:, None, None].expand_as(keys)
+        lo = torch.full((U, H, D), float("inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amin")
+        hi = torch.full((U, H, D), float("-inf"), device=keys.device).scatter_reduce_(0, idx, keys, "amax")
+        return torch.stack([lo, hi], dim=2)
+    mean = torch.zeros(U, H, D, device=keys.device).index_add_(0, seg, keys) / counts.clamp_min(1)[:, None, None]
+    return F.normalize(mean, dim=-1)

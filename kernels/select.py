@@ -12,11 +12,11 @@ side):
 
 A request's index is two segments of rows, read as one index: segment 0, adopted from a cached prefix and
 shared read-only by every request that adopted it, then segment 1, the request's own (the chunks past the
-prefix and the chunks grafted at decode). ``ranges`` [RANGE_FIELDS, bs] int32 gives per batch row each
-segment's ``(co, P, fo, L, ko, M)`` and ``so``, the request's rows in the step's scratch (bounds and picks
-of its ``L0 + L1`` fine clusters: a shared segment's rows are read by many requests of a batch,
+prefix and the chunks grafted at decode). ``ranges`` (``RequestRanges``, one column per batch row) gives per
+batch row each segment's first row and count at each level and ``scratch_at``, the request's rows in the step's scratch (bounds and picks
+of its ``prefix.fine + own.fine`` fine clusters: a shared segment's rows are read by many requests of a batch,
 so nothing per request is written to them). In the union, segment 1's local indexes follow segment 0's:
-its fine parents count from ``P0``, its chunks' clusters from ``L0``. A request without an adopted prefix
+its fine parents count from ``prefix.coarse``, its chunks' clusters from ``prefix.fine``. A request without an adopted prefix
 has an empty segment 0.
 
 ``select_fine`` follows sgl_sparsekv/select.py exactly on that union, ties included: coarse units are
@@ -40,6 +40,7 @@ tokens in this layer (all by default). With hybrid heads (``sgl_sparsekv.head_ro
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,8 +72,47 @@ EMIT_BLOCK = 128
 # 0.037; batch 1 at 32K: 0.0054 -> 0.0044 with 64 programs per list)
 FINE_TILE = {True: (64, 2), False: (32, 4)}
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# rows of ``ranges``: segment 0 (adopted, shared), segment 1 (the request's own), the scratch offset
-RANGE_FIELDS = ("co0", "P0", "fo0", "L0", "ko0", "M0", "co1", "P1", "fo1", "L1", "ko1", "M1", "so")
+
+
+class Segment(NamedTuple):
+    """A request's rows of one segment of the index pools: the first row and the row count at each level."""
+
+    coarse_at: int = 0
+    coarse: int = 0
+    fine_at: int = 0
+    fine: int = 0
+    chunk_at: int = 0
+    chunks: int = 0
+
+
+class RequestRanges(NamedTuple):
+    """One batch row of the step table ``ranges`` [len(RANGE_FIELDS), bs] int32 that every selection kernel reads:
+    segment 0 (``prefix``: adopted from a cached prefix, shared read-only), segment 1 (``own``: the chunks past the
+    prefix and the grafted ones) and the request's first column in the step's scratch (``scratch_at``)."""
+
+    prefix: Segment
+    own: Segment
+    scratch_at: int
+
+    def column(self) -> list[int]:
+        return [*self.prefix, *self.own, self.scratch_at]
+
+    @classmethod
+    def of(cls, column) -> "RequestRanges":
+        n = len(Segment._fields)
+        return cls(Segment(*column[:n]), Segment(*column[n:2 * n]), column[2 * n])
+
+    @property
+    def fines(self) -> int:
+        """Fine clusters of the union: the request's scratch columns."""
+        return self.prefix.fine + self.own.fine
+
+
+RANGE_FIELDS = (*(f"prefix_{f}" for f in Segment._fields), *(f"own_{f}" for f in Segment._fields), "scratch_at")
+# the kernels' row indexes of those fields (a Triton kernel reads module constants only as constexpr)
+(PREFIX_COARSE_AT, PREFIX_COARSE, PREFIX_FINE_AT, PREFIX_FINE, PREFIX_CHUNK_AT, PREFIX_CHUNKS,
+ OWN_COARSE_AT, OWN_COARSE, OWN_FINE_AT, OWN_FINE, OWN_CHUNK_AT, OWN_CHUNKS, SCRATCH_AT) = (
+    tl.constexpr(i) for i in range(len(RANGE_FIELDS)))
 
 
 @triton.jit
@@ -84,13 +124,13 @@ def _program_head(pid, Heads, R):
 
 @triton.jit
 def _field(T, st, b, k: tl.constexpr):
-    """Field ``k`` of RANGE_FIELDS for batch row ``b``: a count (int32; loops and masks stay 32-bit)."""
+    """Row ``k`` of the step table (RANGE_FIELDS) for batch row ``b``: a count (int32; loops and masks stay 32-bit)."""
     return tl.load(T + k * st + b)
 
 
 @triton.jit
 def _offset(T, st, b, k: tl.constexpr):
-    """Field ``k`` of RANGE_FIELDS for batch row ``b``: a row offset (int64, for addresses)."""
+    """Row ``k`` of the step table (RANGE_FIELDS) for batch row ``b``: a row offset (int64, for addresses)."""
     return tl.load(T + k * st + b).to(tl.int64)
 
 
@@ -174,10 +214,10 @@ def _coarse_expand_kernel(Q, CMu, CSc, CR, CTok, T, st, Budget, Expanded, Heads,
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
     budget = tl.load(Budget + b).to(tl.float32)
-    P0 = _field(T, st, b, 1)
+    P0 = _field(T, st, b, PREFIX_COARSE)
     offs_p = tl.arange(0, BLOCK_P)
-    pmask = offs_p < P0 + _field(T, st, b, 7)
-    crow = _union_rows(offs_p, _offset(T, st, b, 0), P0, _offset(T, st, b, 6))
+    pmask = offs_p < P0 + _field(T, st, b, OWN_COARSE)
+    crow = _union_rows(offs_p, _offset(T, st, b, PREFIX_COARSE_AT), P0, _offset(T, st, b, OWN_COARSE_AT))
     mu = tl.load(CMu + crow[:, None] * stride_cm + h * D + offs_d[None, :], mask=pmask[:, None] & dmask[None, :],
                  other=0).to(tl.float32) * tl.load(CSc + crow * H + h, mask=pmask, other=0.0)[:, None]
     r = tl.load(CR + crow * H + h, mask=pmask, other=NEG)
@@ -205,13 +245,13 @@ def _fine_bounds_kernel(Q, FMu, FSc, FR, FPar, FBox, T, st, Expanded, Bnd, S, He
     b, h = _program_head(pid, Heads, R)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
-    fo0, L0, fo1 = _offset(T, st, b, 2), _field(T, st, b, 3), _offset(T, st, b, 8)
-    P0 = _field(T, st, b, 1)
-    L = L0 + _field(T, st, b, 9)
+    fo0, L0, fo1 = _offset(T, st, b, PREFIX_FINE_AT), _field(T, st, b, PREFIX_FINE), _offset(T, st, b, OWN_FINE_AT)
+    P0 = _field(T, st, b, PREFIX_COARSE)
+    L = L0 + _field(T, st, b, OWN_FINE)
     Qg = Q + b * stride_qb + h * G * stride_qh
     if DOT:
         qg, qn = _group_queries(Qg, stride_qh, rw, offs_d, dmask, G, BLOCK_G)
-    out = Bnd + h * S + _offset(T, st, b, 12)
+    out = Bnd + h * S + _offset(T, st, b, SCRATCH_AT)
     for blk in range(part * BLOCK_L, L, PARTS * BLOCK_L):
         offs_l = blk + tl.arange(0, BLOCK_L)
         lmask = offs_l < L
@@ -491,9 +531,9 @@ def _cut_kernel(Bnd, FTok, T, st, Budget, Sel, S, Heads, R, H: tl.constexpr, BLO
     pid = tl.program_id(0).to(tl.int64)
     b, h = _program_head(pid, Heads, R)
     budget = tl.load(Budget + b).to(tl.float32)
-    fo0, L0, fo1 = _offset(T, st, b, 2), _field(T, st, b, 3), _offset(T, st, b, 8)
-    L = L0 + _field(T, st, b, 9)
-    so = h * S + _offset(T, st, b, 12)
+    fo0, L0, fo1 = _offset(T, st, b, PREFIX_FINE_AT), _field(T, st, b, PREFIX_FINE), _offset(T, st, b, OWN_FINE_AT)
+    L = L0 + _field(T, st, b, OWN_FINE)
+    so = h * S + _offset(T, st, b, SCRATCH_AT)
     Bh, Sh = Bnd + so, Sel + so
     if L <= BLOCK // 8:
         _cut_in_registers(Bh, FTok, Sh, fo0, L0, fo1, L, L, h, budget, H, BLOCK // 8,
@@ -566,7 +606,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     ftok = fine[2]
     H = ftok.shape[1]
     if out is None:
-        out = scratch(_scratch_rows(ranges, q.shape[0]), H, q.device)
+        out = scratch(scratch_rows(ranges, q.shape[0]), H, q.device)
     bnd, sel = out
     assert bnd.stride(0) == sel.stride(0), "bounds and picks in one layout"
     heads = all_heads(H, q.device) if heads is None else heads
@@ -579,9 +619,9 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     return sel
 
 
-def _scratch_rows(ranges: torch.Tensor, bs: int) -> int:
-    so, L0, L1 = (ranges[RANGE_FIELDS.index(k), :bs].long() for k in ("so", "L0", "L1"))
-    return max(1, int((so + L0 + L1).max())) if bs else 1
+def scratch_rows(ranges: torch.Tensor, bs: int) -> int:
+    """Scratch columns the first ``bs`` batch rows of ``ranges`` reach (a host read)."""
+    return max(1, max(r.scratch_at + r.fines for r in batch_ranges(ranges, bs))) if bs else 1
 
 
 @triton.jit
@@ -594,7 +634,7 @@ def _emit_request(T, st, SeqLen, Fresh, pid, Heads, R, dense_limit, sink, recent
     dense = S <= dense_limit
     n_sink = tl.where(dense, S, tl.minimum(sink, S))
     rec_start = tl.where(dense, S, tl.maximum(n_sink, S - recent))
-    M = tl.where(dense, 0, _field(T, st, b, 5) + _field(T, st, b, 11))
+    M = tl.where(dense, 0, _field(T, st, b, PREFIX_CHUNKS) + _field(T, st, b, OWN_CHUNKS))
     M = tl.where(fresh, M, 0)
     return b, h, M, S, n_sink, rec_start, fresh
 
@@ -602,7 +642,7 @@ def _emit_request(T, st, SeqLen, Fresh, pid, Heads, R, dense_limit, sink, recent
 @triton.jit
 def _chunk_ranges(T, st, b):
     """A request's chunk segments and scratch row, read once per program: (ko0, M0, ko1, L0, so)."""
-    return _offset(T, st, b, 4), _field(T, st, b, 5), _offset(T, st, b, 10), _field(T, st, b, 3), _offset(T, st, b, 12)
+    return _offset(T, st, b, PREFIX_CHUNK_AT), _field(T, st, b, PREFIX_CHUNKS), _offset(T, st, b, OWN_CHUNK_AT), _field(T, st, b, PREFIX_FINE), _offset(T, st, b, SCRATCH_AT)
 
 
 @triton.jit
@@ -717,47 +757,15 @@ def every_row_fresh(bs: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.arange(bs, dtype=torch.int32, device=device), torch.ones(bs, dtype=torch.int32, device=device)
 
 
-def union_rows(r: dict, kind: str) -> torch.Tensor:
-    """Pool rows of a request's union (segment 0's, then segment 1's) for ``kind`` in "cfk" (coarse, fine, chunk);
-    ``r``: one batch row of ``ranges`` as a dict of RANGE_FIELDS."""
-    off, n = {"c": ("co", "P"), "f": ("fo", "L"), "k": ("ko", "M")}[kind]
-    return torch.cat([torch.arange(r[off + s], r[off + s] + r[n + s]) for s in "01"])
+def union_rows(r: RequestRanges, level: str) -> torch.Tensor:
+    """Pool rows of a request's union (segment 0's, then segment 1's) at ``level``: "coarse", "fine" or "chunk"."""
+    at, n = {"coarse": ("coarse_at", "coarse"), "fine": ("fine_at", "fine"), "chunk": ("chunk_at", "chunks")}[level]
+    return torch.cat([torch.arange(getattr(s, at), getattr(s, at) + getattr(s, n)) for s in (r.prefix, r.own)])
 
 
-def batch_ranges(ranges: torch.Tensor, bs: int) -> list[dict]:
-    """The first ``bs`` batch rows of ``ranges`` as dicts of RANGE_FIELDS (one host read)."""
-    cols = ranges[:, :bs].T.tolist()
-    return [dict(zip(RANGE_FIELDS, c)) for c in cols]
-
-
-def select_fine_ref(q, coarse, fine, ranges, budget, expand: float, max_coarse: int = 64, parts: int = 8,
-                    out: tuple[torch.Tensor, torch.Tensor] | None = None, cut_block: int = CUT_BLOCK,
-                    radius_weight: float = 1.0, heads: torch.Tensor | None = None, box=None):
-    """Torch twin of :func:`select_fine`: ``select.select_clusters`` on each request's union of pool rows. A node
-    is live where its radius is finite, as the kernels read it."""
-    from sgl_sparsekv.index import ClusterIndex, dequantize
-    from sgl_sparsekv.select import select_clusters
-
-    (cmu, csc), cr, ctok = coarse
-    (fmu, fsc), fr, ftok, fpar = fine
-    bs, Hq, D = q.shape
-    H = cmu.shape[1]
-    sel = out[1] if out is not None else scratch(_scratch_rows(ranges, bs), H, q.device)[1]
-    hs = slice(None) if heads is None else heads.long()
-    for b, (r, B) in enumerate(zip(batch_ranges(ranges, bs), budget.tolist())):
-        c, f = union_rows(r, "c").to(q.device), union_rows(r, "f").to(q.device)
-        par = fpar[f].long()
-        par[r["L0"]:] += r["P0"]
-        view = ClusterIndex(fine_mu=dequantize(fmu[f], fsc[f]).transpose(0, 1), fine_r=fr[f].T,
-                            fine_n=(fr[f].T > float("-inf")).float(), fine_tokens=ftok[f].T, fine_parent=par.T,
-                            coarse_mu=dequantize(cmu[c], csc[c]).transpose(0, 1),
-                            coarse_r=cr[c].T, coarse_n=(cr[c].T > float("-inf")).float(), coarse_tokens=ctok[c].T,
-                            chunk_fine=par[:0].T,
-                            fine_box=None if box is None else box[f].float().transpose(0, 1))
-        cols = slice(r["so"], r["so"] + len(f))
-        sel[hs, cols] = select_clusters(view, q[b].float().view(H, Hq // H, D), B, expand, "max",
-                                        radius_weight).float()[hs]
-    return sel
+def batch_ranges(ranges: torch.Tensor, bs: int) -> list[RequestRanges]:
+    """The first ``bs`` batch rows of ``ranges`` (one host read)."""
+    return [RequestRanges.of(c) for c in ranges[:, :bs].T.tolist()]
 
 
 def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, recent: int, cap: int,
@@ -775,7 +783,7 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
         if not fresh[b]:
             continue
         slots = req_to_token[row, :S]
-        k = union_rows(r, "k").to(sel.device)
+        k = union_rows(r, "chunk").to(sel.device)
         if S <= dense_limit:   # the whole sequence as its sink, no chunk scanned
             n_sink = rec = S
             k = k[:0]
@@ -786,65 +794,12 @@ def emit_tokens_ref(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int
         en = torch.clamp(st + clen[k].long(), max=rec)
         st = torch.clamp(st, min=n_sink)
         cf = cfine[k].long()
-        cf[r["M0"]:] += r["L0"]
+        cf[r.prefix.chunks:] += r.prefix.fine
         for h in (range(H) if heads is None else heads.tolist()):
-            take = sel[h, r["so"] + cf[:, h]] > 0
+            take = sel[h, r.scratch_at + cf[:, h]] > 0
             mid = [slots[a:e] for a, e in zip(st[take].tolist(), en[take].tolist()) if e > a]
             lst = torch.cat([slots[:n_sink], *mid, slots[rec:S]])[:cap]
             i = list_rows[b] * H + h
             windows[i * cap:i * cap + len(lst)] = lst
             lens[i] = len(lst)
     return lens, windows
-
-
-def pack(indexes, chunk_starts, chunk_lens, device):
-    """Host-side packing of per-request ClusterIndex objects into node pools (tests and benchmarks).
-
-    Returns (coarse, fine, chunks, ranges): pools in the layouts the kernels read, and ``ranges`` with each
-    request's index as its own segment (segment 0 empty) and its scratch rows at its fine rows.
-    """
-    from sgl_sparsekv.index import quantize
-
-    def cat(ts):
-        return torch.cat(ts).to(device)
-
-    def centroids(ts):   # stored as the index pools store them
-        return tuple(t.contiguous() for t in quantize(cat(ts)))
-
-    table = torch.zeros(len(RANGE_FIELDS), len(indexes), dtype=torch.int32)
-    c = f = k = 0
-    for b, ix in enumerate(indexes):
-        P, L, M = ix.coarse_r.shape[1], ix.fine_r.shape[1], ix.chunk_fine.shape[1]
-        for name, v in (("co1", c), ("P1", P), ("fo1", f), ("L1", L), ("ko1", k), ("M1", M), ("so", f)):
-            table[RANGE_FIELDS.index(name), b] = v
-        c, f, k = c + P, f + L, k + M
-    coarse = (centroids([ix.coarse_mu.transpose(0, 1) for ix in indexes]),
-              cat([ix.coarse_r.T for ix in indexes]).contiguous(),
-              cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
-    fine = (centroids([ix.fine_mu.transpose(0, 1) for ix in indexes]),
-            cat([ix.fine_r.T for ix in indexes]).contiguous(),
-            cat([ix.fine_tokens.T for ix in indexes]).contiguous(),
-            cat([ix.fine_parent.T for ix in indexes]).to(torch.int32).contiguous())
-    chunks = (cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
-              cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
-    return coarse, fine, chunks, table.to(device)
-
-
-def pack_box(indexes, device) -> torch.Tensor:
-    """The fine boxes of :func:`pack`'s indexes as the index pools store them: [F, H, 2, d] bf16."""
-    from sgl_sparsekv.index import quantize_box
-
-    return quantize_box(torch.cat([ix.fine_box.transpose(0, 1) for ix in indexes])).contiguous().to(device)
-
-
-def over_shared(packed: torch.Tensor, first_row: int = 0) -> torch.Tensor:
-    """``pack``'s table for indexes [prefix, own_1, ..., own_n] as n requests that adopted the prefix (tests and
-    benchmarks): batch row i reads the prefix's rows as segment 0 and own_{i+1} as segment 1; scratch rows one
-    request after another from ``first_row``."""
-    F = {name: i for i, name in enumerate(RANGE_FIELDS)}
-    ranges = packed[:, 1:].clone()
-    for s in ("co", "P", "fo", "L", "ko", "M"):
-        ranges[F[s + "0"]] = packed[F[s + "1"], 0]
-    L = ranges[F["L0"]] + ranges[F["L1"]]
-    ranges[F["so"]] = first_row + torch.cumsum(L, 0) - L
-    return ranges

@@ -30,7 +30,7 @@ from sgl_sparsekv.kernels.page_table import PageTableWriter
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
 from sgl_sparsekv.manager import PoolPlan, SparseKVManager
 from sgl_sparsekv.patches import surface
-from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
@@ -166,7 +166,7 @@ class SparseKVAttnBackend(AttentionBackend):
         self.token_to_kv_pool = runner.token_to_kv_pool
         pool = self.token_to_kv_pool
         surface.check_instance(pool, surface.KV_POOL_ATTRS, "KV pool")
-        start = getattr(pool, "start_layer", 0) or 0
+        start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")
         if self.use_triton:
@@ -218,7 +218,7 @@ class SparseKVAttnBackend(AttentionBackend):
                 self.pooled.fill_idle(bs)
                 self.decode_sparse = True
         else:
-            self._prepare(forward_batch, bs - (getattr(forward_batch, "num_padding", 0) or 0), padded_bs=bs)
+            self._prepare(forward_batch, bs - (forward_batch.num_padding or 0), padded_bs=bs)
 
     def graph_allowed(self, forward_batch) -> bool:
         """Asked before SGLang replays a decode graph (patches/plugin.py): with select_ahead, a batch holding a
@@ -247,7 +247,7 @@ class SparseKVAttnBackend(AttentionBackend):
         else:   # a batch SGLang built without ForwardBatch.init_new: rows from the device, no chunk cuts this step
             rows = forward_batch.req_pool_indices[:bs].tolist()
             tokens = [None] * bs
-            self.manager.stats["decode_host_syncs"] += int(mode.is_decode())
+            self.manager.stats.decode_host_syncs += int(mode.is_decode())
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens)[:bs].tolist()
         if mode.is_decode():
@@ -266,7 +266,10 @@ class SparseKVAttnBackend(AttentionBackend):
         elif mode.is_decode():
             self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
         if mode.is_decode():
-            self.manager.stats["sparse_steps" if sparse else "dense_steps"] += 1
+            if sparse:
+                self.manager.stats.sparse_steps += 1
+            else:
+                self.manager.stats.dense_steps += 1
             self.export_metrics()
         else:
             self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
@@ -318,8 +321,8 @@ class SparseKVAttnBackend(AttentionBackend):
             S = self.manager.states[row].seq_len
             slot_rows.append(req_to_token[row, :S])
             masks.append(self.manager.select(lid, row, q[i].view(H, -1, layer.qk_head_dim)))
-            stats["attended_tokens"] += S if masks[-1] is None else int(masks[-1].sum()) // H
-            stats["context_tokens"] += S
+            stats.attended_tokens += S if masks[-1] is None else int(masks[-1].sum()) // H
+            stats.context_tokens += S
         if self.use_triton:
             out = self._attend_triton(q, k_buf, v_buf, slot_rows, masks, layer.scaling)
         else:

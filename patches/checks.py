@@ -19,46 +19,46 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
     def bad(flag, why):
         raise ConfigError(f"--sparse-kv {cfg.method}: {flag} {why}")
 
-    if getattr(sa, "speculative_algorithm", None):
+    if sa.speculative_algorithm:
         bad("--speculative-algorithm", "(speculative decoding) is not supported")
-    if getattr(sa, "enable_mixed_chunk", False):
+    if sa.enable_mixed_chunk:
         bad("--enable-mixed-chunk", "is not supported (decode steps must not share a batch with prefill)")
-    if getattr(sa, "enable_two_batch_overlap", False):
+    if sa.enable_two_batch_overlap:
         bad("--enable-two-batch-overlap", "is not supported")
-    if getattr(sa, "enable_pdmux", False):
+    if sa.enable_pdmux:
         bad("--enable-pdmux", "is not supported")
-    if getattr(sa, "enable_hierarchical_cache", False):
+    if sa.enable_hierarchical_cache:
         bad("--enable-hierarchical-cache", "is not supported yet (the host KV tier is planned)")
-    if getattr(sa, "disaggregation_mode", "null") not in ("null", None):
+    if sa.disaggregation_mode not in ("null", None):
         bad("--disaggregation-mode", "is not supported")
-    if (getattr(sa, "pp_size", 1) or 1) > 1:
+    if (sa.pp_size or 1) > 1:
         bad("--pp-size", "> 1 is not supported yet (pipeline stages would each hold part of the layers' index)")
-    if getattr(sa, "enable_dp_attention", False):
+    if sa.enable_dp_attention:
         bad("--enable-dp-attention", "is not supported (--dp-size alone runs independent replicas, which is)")
     for flag, attr in (("--attention-backend", "attention_backend"),
                        ("--prefill-attention-backend", "prefill_attention_backend"),
                        ("--decode-attention-backend", "decode_attention_backend")):
-        value = getattr(sa, attr, None)
+        value = getattr(sa, attr)   # one of SERVER_ARGS_FIELDS
         if value is not None and value not in SUPPORTED_BACKENDS:
             bad(f"{flag} {value}", f"is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}")
-    if getattr(sa, "kv_cache_dtype", "auto") not in ("auto", "bfloat16", "bf16", "float16", "fp16"):
+    if sa.kv_cache_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16"):
         bad(f"--kv-cache-dtype {sa.kv_cache_dtype}", "is not supported yet (quantized KV)")
-    if getattr(sa, "is_embedding", False):
+    if sa.is_embedding:
         bad("--is-embedding", "has no decode phase to sparsify")
-    graphs = getattr(sa, "cuda_graph_config", None)
-    prefill_graphs = graphs is not None and getattr(graphs.prefill, "backend", "disabled") != "disabled"
-    if getattr(sa, "device", None) != "cpu" and prefill_graphs:
+    graphs = sa.cuda_graph_config
+    prefill_graphs = graphs is not None and graphs.prefill.backend != "disabled"
+    if sa.device != "cpu" and prefill_graphs:
         bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
             "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
-    check_model(_hf_config(sa), cfg, tp_size=getattr(sa, "tp_size", 1) or 1)
+    check_model(_hf_config(sa), cfg, tp_size=sa.tp_size or 1)
 
 
 def _hf_config(sa):
     try:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(sa.model_path, trust_remote_code=getattr(sa, "trust_remote_code", False),
-                                          revision=getattr(sa, "revision", None))
+        return AutoConfig.from_pretrained(sa.model_path, trust_remote_code=sa.trust_remote_code,
+                                          revision=sa.revision)
     except Exception as e:  # unreadable config: let SGLang report it its own way
         return None
 
@@ -100,8 +100,8 @@ def check_model(hf, cfg: SparseKVConfig, tp_size: int = 1) -> None:
 def check_runner(runner, cfg: SparseKVConfig) -> None:
     """The same model checks in the scheduler, on the config SGLang actually loaded."""
     check_model(runner.model_config.hf_config, cfg, tp_size=runner.tp_size)
-    graphs = getattr(runner.server_args, "cuda_graph_config", None)
-    decode_graphs = graphs is not None and getattr(graphs.decode, "backend", "disabled") != "disabled"
+    graphs = runner.server_args.cuda_graph_config
+    decode_graphs = graphs is not None and graphs.decode.backend != "disabled"
     if cfg.method == "quest" and runner.device != "cpu" and decode_graphs:
         raise ConfigError(f"--sparse-kv quest on {runner.device} is a baseline that decodes eagerly; "
                           "add --disable-cuda-graph (lychee runs with CUDA graphs)")

@@ -11,40 +11,7 @@ from __future__ import annotations
 
 import time
 
-# stats key -> (metric suffix, help)
-COUNTERS = {
-    "sparse_steps": ("sparse_steps", "Decode steps with at least one request past the token budget."),
-    "dense_steps": ("dense_steps", "Decode steps with every request within the token budget."),
-    "index_builds": ("index_builds", "Cluster indexes built."),
-    "index_reused": ("index_reused", "Cluster indexes adopted from a cached prefix."),
-    "index_extends": ("index_extends", "Adopted indexes extended by clustering the prompt past the shared prefix."),
-    "grafts": ("grafts", "Decoded chunks grafted into an index."),
-    "units_built": ("units_built", "Retrieval units (chunks, pages) summarized."),
-    "units_reused": ("units_reused", "Retrieval units reused through the radix cache."),
-    "index_pool_full": ("index_pool_full", "Times an index found no room in the GPU index pools."),
-    "dense_fallback_steps": ("dense_fallback_steps",
-                             "Request decode steps run densely because their index had no room in the pools."),
-    "scratch_full_steps": ("scratch_full_steps",
-                           "Request decode steps run densely because the batch outgrew the selection scratch."),
-    "unselected_steps": ("unselected_steps",
-                         "Request decode steps past the budget run densely because the step before selected no "
-                         "token lists for them (select_ahead: a request's first decode step inside a CUDA graph)."),
-    "own_order_steps": ("own_order_steps",
-                        "select_ahead decode steps run eagerly in lychee's order (select, then attend) because the "
-                        "batch held a request's first decode step."),
-    "decode_host_syncs": ("decode_host_syncs",
-                          "Decode steps that read batch facts back from the GPU (0 while SGLang builds batches "
-                          "through ForwardBatch.init_new)."),
-    "attended_tokens": ("attended_tokens", "KV tokens read by decode."),
-    "scored_tokens": ("scored_tokens", "KV tokens whose keys the two-stage selection scored (rerank_factor > 1)."),
-    "context_tokens": ("context_tokens", "KV tokens a dense decode would have read."),
-    "live_requests": ("live_requests", "Requests holding sparse-kv state."),
-    "live_units": ("live_units", "Retrieval units alive in the unit store."),
-    "cached_indexes": ("cached_indexes", "Entries in the index cache."),
-    "index_bytes": ("index_bytes", "Bytes of unit summaries and cached indexes."),
-    "unplaced_requests": ("unplaced_requests", "Requests decoding densely until their index gets pool rows."),
-}
-
+from sgl_sparsekv.stats import EXPORTED
 
 class PrometheusExport:
     def __init__(self, labels: dict[str, str]):
@@ -52,8 +19,8 @@ class PrometheusExport:
 
         self.labels = labels
         names = list(labels)
-        self.gauges = {key: Gauge(f"sglang:sparse_kv_{suffix}", doc, labelnames=names, multiprocess_mode="mostrecent")
-                       for key, (suffix, doc) in COUNTERS.items()}
+        self.gauges = {key: Gauge(f"sglang:sparse_kv_{key}", doc, labelnames=names, multiprocess_mode="mostrecent")
+                       for key, doc in EXPORTED.items()}
         self.pool_rows = Gauge("sglang:sparse_kv_index_pool_rows_used", "Rows in use in a GPU index pool.",
                                labelnames=names + ["pool"], multiprocess_mode="mostrecent")
         self.pool_fill = Gauge("sglang:sparse_kv_index_pool_fill", "Share of a GPU index pool's rows in use.",

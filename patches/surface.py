@@ -55,6 +55,23 @@ BACKEND_METHODS = ("init_forward_metadata", "init_cuda_graph_state", "init_forwa
 GRAPH_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner"
 GRAPH_RUNNER_CALLS = ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")
 
+# the replay view the graph runner hands to init_forward_metadata_out_graph: its padding rows past the batch
+GRAPH_REPLAY_FIELDS = ("num_padding",)
+
+# the server flags sgl-sparsekv reads (patches/checks.py, backend.py, plugin.py), all fields of ServerArgs
+SERVER_ARGS = _SA
+SERVER_ARGS_FIELDS = ("speculative_algorithm", "enable_mixed_chunk", "enable_two_batch_overlap", "enable_pdmux",
+                      "enable_hierarchical_cache", "disaggregation_mode", "pp_size", "enable_dp_attention",
+                      "attention_backend", "prefill_attention_backend", "decode_attention_backend",
+                      "kv_cache_dtype", "is_embedding", "cuda_graph_config", "device", "tp_size", "model_path",
+                      "trust_remote_code", "revision", "tokenizer_path", "tokenizer_mode", "served_model_name",
+                      "enable_metrics")
+# ServerArgs.cuda_graph_config: a phase's graphs are off where its backend is "disabled"
+GRAPH_CONFIG = "sglang.srt.model_executor.cuda_graph_config.CudaGraphConfig"
+GRAPH_CONFIG_FIELDS = ("decode", "prefill")
+GRAPH_PHASE = "sglang.srt.model_executor.cuda_graph_config.PhaseConfig"
+GRAPH_PHASE_FIELDS = ("backend",)
+
 FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_lens", "seq_lens_cpu",
                         "out_cache_loc", "input_ids", "extend_prefix_lens_cpu")
@@ -65,8 +82,9 @@ REQ_FIELDS = ("origin_input_ids", "output_ids", "req_pool_idx")
 
 # instance attributes read or patched in the scheduler process
 RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "tp_rank", "is_draft_worker",
-                "req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator")
-KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer")
+                "req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator",
+                "model")   # select_ahead wraps model.forward (patches/backend.py, join_after_forward)
+KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer", "start_layer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
 ALLOCATOR_PATCHED = ("free", "clear")
 SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args", "ps", "tp_cpu_group")
@@ -106,10 +124,15 @@ def check_sglang() -> None:
     for f in REQ_FIELDS:
         if f"self.{f} =" not in init and f"self.{f}: " not in init:
             _fail(f"{REQ}.{f}")
-    fields = {f.name for f in dataclasses.fields(_resolve(FORWARD_BATCH))}
-    for f in FORWARD_BATCH_FIELDS:
-        if f not in fields:
-            _fail(f"{FORWARD_BATCH}.{f}")
+    for cls, names in ((FORWARD_BATCH, FORWARD_BATCH_FIELDS), (SERVER_ARGS, SERVER_ARGS_FIELDS),
+                       (GRAPH_CONFIG, GRAPH_CONFIG_FIELDS), (GRAPH_PHASE, GRAPH_PHASE_FIELDS)):
+        fields = {f.name for f in dataclasses.fields(_resolve(cls))}
+        for f in names:
+            if f not in fields:
+                _fail(f"{cls}.{f}")
+    for f in GRAPH_REPLAY_FIELDS:
+        if f"{f}=" not in source:
+            _fail(f"the field {f} of the replay view that {GRAPH_RUNNER} builds")
 
 
 def check_instance(obj, attrs, what: str) -> None:

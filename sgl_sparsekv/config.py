@@ -12,17 +12,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from sgl_sparsekv import head_roles
+from sgl_sparsekv.errors import ConfigError
 
 METHODS = ("off", "lychee", "quest")
 # a candidate list is scored in one program's registers: up to this many times the budget
 MAX_RERANK = 8
 _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool}
-
-
-class ConfigError(ValueError):
-    """A bad ``--sparse-kv`` flag or config; the message is one line that names the culprit."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +145,6 @@ class SparseKVConfig:
         if not 0 <= self.radius_weight <= 1:
             raise ConfigError(f"sparse-kv config: key 'radius_weight' must be in [0, 1], got {self.radius_weight}")
         if self.method == "lychee":
-            from sgl_sparsekv import head_roles
-
             head_roles.validate(self.head_roles)
             if self.select_every > 1 and (self.head_roles != "all-retrieval" or self.rerank_factor > 1):
                 raise ConfigError("sparse-kv config: select_every > 1 needs head_roles 'all-retrieval' and "

@@ -26,6 +26,8 @@ import json
 import re
 from pathlib import Path
 
+from sgl_sparsekv.errors import ConfigError
+
 ALL = "all-retrieval"
 # configs/ is installed as the package sgl_sparsekv.configs (pyproject's package-dir); a checkout run without
 # installing finds it beside the package
@@ -36,8 +38,6 @@ _STAGGERED = re.compile(r"staggered-(\d*\.?\d+)$")
 
 
 def _error(msg: str):
-    from sgl_sparsekv.config import ConfigError
-
     return ConfigError(f"sparse-kv config: head_roles: {msg}")
 
 

@@ -375,12 +375,6 @@ def graft(index: ClusterIndex, key: torch.Tensor, length, box: torch.Tensor | No
     return c[..., 0]
 
 
-def graft_chunk(index: ClusterIndex, key: torch.Tensor, length: int, box: torch.Tensor | None = None) -> None:
-    """``graft`` one chunk into one layer's index [H, ...] and record its cluster."""
-    c = graft(index, key, length, box)
-    index.chunk_fine = torch.cat([index.chunk_fine, c[:, None]], dim=1)
-
-
 def upper_bound(q: torch.Tensor, mu: torch.Tensor, r: torch.Tensor, reduce: str) -> torch.Tensor:
     """UB of every node for a GQA group. q: [H, G, d]; mu: [H, N, d]; r: [H, N] -> [H, N].
 

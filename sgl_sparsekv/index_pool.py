@@ -33,6 +33,7 @@ import torch
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, quantize_box,
                                 recount)
+from sgl_sparsekv.kernels.select import Segment
 
 
 class RangeAllocator:
@@ -84,13 +85,20 @@ class RangeAllocator:
 
 @dataclass
 class PoolRanges:
-    co: int
-    P: int
-    fo: int
-    L: int
-    ko: int
-    M: int        # chunks recorded
-    kcap: int     # chunk rows owned
+    """One segment of an index in the pools: its first row and row count at each level (the chunk level owns
+    ``chunk_rows`` rows and has recorded ``chunks`` of them; grafts append)."""
+
+    coarse_at: int
+    coarse: int
+    fine_at: int
+    fine: int
+    chunk_at: int
+    chunks: int
+    chunk_rows: int
+
+    def segment(self) -> Segment:
+        """The rows the selection kernels read (``kernels.select.Segment``)."""
+        return Segment(self.coarse_at, self.coarse, self.fine_at, self.fine, self.chunk_at, self.chunks)
 
 
 @dataclass(frozen=True)
@@ -185,14 +193,14 @@ class IndexPools:
         """Debug mode (SPARSEKV_DEBUG=1): every row index the kernels derive from ``rng`` stays inside it.
         Reads device memory (a sync); the GPU tests run with it on."""
         cap = self.capacity
-        assert 0 <= rng.co and rng.co + rng.P <= cap.coarse, ("coarse range", rng)
-        assert 0 <= rng.fo and rng.fo + rng.L <= cap.fine, ("fine range", rng)
-        assert 0 <= rng.ko and rng.M <= rng.kcap and rng.ko + rng.kcap <= cap.chunks, ("chunk range", rng)
-        par = self.fpar[:, rng.fo:rng.fo + rng.L]
-        kf = self.kfine[:, rng.ko:rng.ko + rng.M]
-        assert int(par.min()) >= 0 and int(par.max()) < rng.P, ("fine parents", rng)
-        if rng.M:
-            assert int(kf.min()) >= 0 and int(kf.max()) < rng.L, ("chunk clusters", rng)
+        assert 0 <= rng.coarse_at and rng.coarse_at + rng.coarse <= cap.coarse, ("coarse range", rng)
+        assert 0 <= rng.fine_at and rng.fine_at + rng.fine <= cap.fine, ("fine range", rng)
+        assert 0 <= rng.chunk_at and rng.chunks <= rng.chunk_rows and rng.chunk_at + rng.chunk_rows <= cap.chunks, ("chunk range", rng)
+        par = self.fpar[:, rng.fine_at:rng.fine_at + rng.fine]
+        kf = self.kfine[:, rng.chunk_at:rng.chunk_at + rng.chunks]
+        assert int(par.min()) >= 0 and int(par.max()) < rng.coarse, ("fine parents", rng)
+        if rng.chunks:
+            assert int(kf.min()) >= 0 and int(kf.max()) < rng.fine, ("chunk clusters", rng)
 
     def layer(self, l: int):
         """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
@@ -246,7 +254,7 @@ class IndexPools:
         rng = self._alloc(P, L, M + room)
         if rng is None:
             return None
-        c, f, k = slice(rng.co, rng.co + P), slice(rng.fo, rng.fo + L), slice(rng.ko, rng.ko + M)
+        c, f, k = slice(rng.coarse_at, rng.coarse_at + P), slice(rng.fine_at, rng.fine_at + L), slice(rng.chunk_at, rng.chunk_at + M)
         for dst, src in ((self.cmu, ix.coarse_mu), (self.csc, packed.coarse_scale), (self.cr, ix.coarse_r),
                          (self.ctok, ix.coarse_tokens), (self.cn, ix.coarse_n)):
             dst[:, c] = self._split(src)
@@ -259,7 +267,7 @@ class IndexPools:
         self.kfine[:, k] = self._split(ix.chunk_fine)
         self.kstart[k] = starts.to(torch.int32)
         self.klen[k] = lengths.to(torch.int32)
-        rng.M = M
+        rng.chunks = M
         return rng
 
     def read(self, *segments: PoolRanges) -> ClusterIndex:
@@ -281,14 +289,14 @@ class IndexPools:
 
     def lengths(self, *segments: PoolRanges) -> torch.Tensor:
         """Tokens per chunk of the segments' chunks, in union order (on the device)."""
-        return torch.cat([self.klen[rng.ko:rng.ko + rng.M] for rng in segments])
+        return torch.cat([self.klen[rng.chunk_at:rng.chunk_at + rng.chunks] for rng in segments])
 
     def _gather(self, segments: tuple[PoolRanges, ...]) -> PackedIndex:
         """The segments' rows joined in ``index.union``'s order, each field copied once: a later segment's fine
         parents count from the coarse rows before it, its chunks' clusters from the fine rows before it."""
-        coarse = [slice(r.co, r.co + r.P) for r in segments]
-        fine = [slice(r.fo, r.fo + r.L) for r in segments]
-        chunks = [slice(r.ko, r.ko + r.M) for r in segments]
+        coarse = [slice(r.coarse_at, r.coarse_at + r.coarse) for r in segments]
+        fine = [slice(r.fine_at, r.fine_at + r.fine) for r in segments]
+        chunks = [slice(r.chunk_at, r.chunk_at + r.chunks) for r in segments]
 
         def rows(pool, slices, offsets=None):
             parts = [pool[:, s] for s in slices]
@@ -301,34 +309,34 @@ class IndexPools:
 
         ix = ClusterIndex(fine_mu=rows(self.fmu, fine), fine_r=rows(self.fr, fine), fine_n=rows(self.fn, fine),
                           fine_tokens=rows(self.ftok, fine),
-                          fine_parent=rows(self.fpar, fine, before([r.P for r in segments])),
+                          fine_parent=rows(self.fpar, fine, before([r.coarse for r in segments])),
                           coarse_mu=rows(self.cmu, coarse), coarse_r=rows(self.cr, coarse),
                           coarse_n=rows(self.cn, coarse), coarse_tokens=rows(self.ctok, coarse),
-                          chunk_fine=rows(self.kfine, chunks, before([r.L for r in segments])),
+                          chunk_fine=rows(self.kfine, chunks, before([r.fine for r in segments])),
                           fine_box=rows(self.fbox, fine))
         return PackedIndex(ix, fine_scale=rows(self.fsc, fine), coarse_scale=rows(self.csc, coarse))
 
     def add_chunks(self, rng: PoolRanges, n: int) -> int | None:
         """Reserve the next ``n`` chunk rows of a range (moving it to a bigger range when it lacks room); the
         first of them, or None if the pool is full. The graft kernel (kernels/graft.py) writes the rows."""
-        need = rng.M + n
-        if need > rng.kcap:
-            for size in (max(2 * rng.kcap, need), max(rng.kcap + 64, need)):
+        need = rng.chunks + n
+        if need > rng.chunk_rows:
+            for size in (max(2 * rng.chunk_rows, need), max(rng.chunk_rows + 64, need)):
                 new = self.alloc["chunks"].alloc(size)
                 if new is not None:
                     break
             else:
                 return None
-            old = slice(rng.ko, rng.ko + rng.M)
-            dst = slice(new, new + rng.M)
+            old = slice(rng.chunk_at, rng.chunk_at + rng.chunks)
+            dst = slice(new, new + rng.chunks)
             self.kfine[:, dst] = self.kfine[:, old]
             self.kstart[dst] = self.kstart[old]
             self.klen[dst] = self.klen[old]
-            self.alloc["chunks"].free(rng.ko, rng.kcap)
-            rng.ko, rng.kcap = new, size
-        row = rng.ko + rng.M
-        assert need <= rng.kcap and rng.ko + rng.kcap <= self.capacity.chunks, (n, rng)
-        rng.M = need
+            self.alloc["chunks"].free(rng.chunk_at, rng.chunk_rows)
+            rng.chunk_at, rng.chunk_rows = new, size
+        row = rng.chunk_at + rng.chunks
+        assert need <= rng.chunk_rows and rng.chunk_at + rng.chunk_rows <= self.capacity.chunks, (n, rng)
+        rng.chunks = need
         return row
 
     def _alloc(self, P: int, L: int, K: int) -> PoolRanges | None:
@@ -344,7 +352,7 @@ class IndexPools:
         return PoolRanges(co, P, fo, L, ko, 0, K)
 
     def free(self, rng: PoolRanges) -> None:
-        self.alloc["coarse"].free(rng.co, rng.P)
-        self.alloc["fine"].free(rng.fo, rng.L)
-        self.alloc["chunks"].free(rng.ko, rng.kcap)
+        self.alloc["coarse"].free(rng.coarse_at, rng.coarse)
+        self.alloc["fine"].free(rng.fine_at, rng.fine)
+        self.alloc["chunks"].free(rng.chunk_at, rng.chunk_rows)
         self.generation += 1

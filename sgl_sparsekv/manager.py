@@ -12,7 +12,7 @@ CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch
                                 prefix the whole prompt is built into its own segment
     decode   -> prepare_decode_pooled: cut, graft the chunks each index lacks (``graft_chunks``) into the
                 request's own segment -> per-request (shared, own) pool ranges
-    (layer)  -> select_fine, emit_tokens, sparse_decode_attention (``patches/pooled_decode.py``)
+    (layer)  -> select_fine, emit_tokens, sparse_decode_attention (``sgl_sparsekv/pooled_decode.py``)
     free     -> request_freed / slots_freed: deferred, applied at the next batch; a finished request
                 leaves its grafted index in the IndexCache for the next turn or fork
 
@@ -43,6 +43,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -52,13 +53,31 @@ from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index_grouped, empty_index, precompile_build
 from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
-from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
-from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers
+from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
+from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
+from sgl_sparsekv.pool_ops import graft_chunks_ref
 from sgl_sparsekv.select import select_pages, units_to_token_mask
+from sgl_sparsekv.stats import Counters
 from sgl_sparsekv.store import UnitStore
-from sgl_sparsekv.summary import summarize_units
 from sgl_sparsekv.tensor_parallel import KVShard
 from sgl_sparsekv.transfer import DEBUG, LateRead, to_device
+
+
+class SharedSegment(NamedTuple):
+    """An adopted prefix's segment in the pools, read-only: the pools' key of the segment, and its ranges with
+    ``chunks`` cut to the chunks this request shares (an adopter may share fewer than the one that loaded it)."""
+
+    key: int
+    ranges: PoolRanges
+
+
+class KeptLists(NamedTuple):
+    """The token lists a request keeps across decode steps (select_every > 1, select_ahead): the decoder whose
+    buffers hold them, their list row there, and the length at which they were selected (None: not yet)."""
+
+    decoder: object
+    row: int
+    selected_at: int | None
 
 
 @dataclass
@@ -70,9 +89,7 @@ class RequestState:
     ends: list[int] = field(default_factory=list)
     seq_len: int = 0
     pool: PoolRanges | None = None      # its own segment: the chunks past the adopted prefix, grafts go here
-    # (key, PoolRanges) of the adopted prefix's shared segment (read-only), its M cut to the chunks this request
-    # shares with it (an adopter may share fewer than the adopter that loaded it)
-    shared: tuple | None = None
+    shared: SharedSegment | None = None
     # the pools' generation when placing the index last failed; until it is placed the request
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
@@ -80,9 +97,7 @@ class RequestState:
     # units cut at decode whose key slots nobody asked the device for yet (lychee asks at its grafts; a request
     # that finishes before drops their keys: a later turn re-cuts those tokens, as it would past its cached index)
     unkeyed: list[int] = field(default_factory=list)
-    # (decode buffers, list row, length when selected) of the token lists it keeps across steps (select_every > 1,
-    # select_ahead)
-    lists: tuple | None = None
+    lists: KeptLists | None = None
 
     @property
     def indexed_end(self) -> int:
@@ -91,11 +106,23 @@ class RequestState:
     @property
     def segments(self) -> list[PoolRanges]:
         """Its index's pool segments in union order (the shared one first)."""
-        return ([self.shared[1]] if self.shared else []) + ([self.pool] if self.pool else [])
+        return ([self.shared.ranges] if self.shared else []) + ([self.pool] if self.pool else [])
 
     @property
     def pooled_chunks(self) -> int:
-        return (self.shared[1].M if self.shared else 0) + (self.pool.M if self.pool else 0)
+        return (self.shared.ranges.chunks if self.shared else 0) + (self.pool.chunks if self.pool else 0)
+
+
+class PackedPlan(NamedTuple):
+    """A ``PoolPlan`` on the device, from one upload and one gather: each span's output row (``ids``), the KV slots of
+    all spans' tokens, span after span, delimited by ``indptr`` (``kernels.pool``'s inputs), the key slot of each new
+    unit, and the plan's ``payload`` of further integers."""
+
+    ids: torch.Tensor
+    token_slots: torch.Tensor
+    indptr: torch.Tensor
+    key_slots: torch.Tensor
+    payload: torch.Tensor
 
 
 @dataclass
@@ -109,14 +136,13 @@ class PoolPlan:
     spans: list[tuple[int, int, int, int]] = field(default_factory=list)
     keys: list[tuple[int, int]] = field(default_factory=list)
     payload: list[int] = field(default_factory=list)
-    _packed: tuple | None = None
+    _packed: PackedPlan | None = None
 
     def add(self, uid: int, row: int, start: int, end: int) -> None:
         self.spans.append((uid, row, start, end))
 
-    def packed(self, device):
-        """(output rows, token slots, indptr, key slots, payload) for summarize_units / kernels.pool.pool_units
-        and the payload's users: one upload and one gather for the whole step."""
+    def packed(self, device) -> PackedPlan:
+        """The plan on the device: one upload and one gather for the whole step."""
         if self._packed is None:
             uid, row, start, end = np.array(self.spans, dtype=np.int64).reshape(-1, 4).T
             krow, kpos = np.array(self.keys, dtype=np.int64).reshape(-1, 2).T
@@ -130,17 +156,11 @@ class PoolPlan:
             flat = to_device(torch.from_numpy(np.concatenate(
                 [uid, indptr, at, np.asarray(self.payload, dtype=np.int64)])), device)
             slots = torch.take(self.req_to_token, flat[2 * n + 1:2 * n + 1 + t]).to(torch.int32)
-            self._packed = (flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32), slots[t - len(kpos):],
-                            flat[2 * n + 1 + t:])
+            self._packed = PackedPlan(flat[:n], slots[:t - len(kpos)], flat[n:2 * n + 1].to(torch.int32),
+                                      slots[t - len(kpos):], flat[2 * n + 1 + t:])
         return self._packed
 
 
-# host seconds of a pooled decode step's phases: frees, chunk cuts, index placement, grafts (with their chunk keys)
-PREPARE_PHASES = ("prepare_frees_s", "prepare_cut_s", "prepare_place_s", "prepare_graft_s")
-# host seconds of placing a prompt's index: pooling its chunks' keys and clustering them (together
-# ``index_build_s``), loading the pools. ``extend_wait_s``: a prefill's preparation waiting for the device (the
-# frees and key slots read back, the prefix's slots)
-BUILD_PHASES = ("build_keys_s", "build_cluster_s", "build_load_s")
 logger = logging.getLogger("sgl_sparsekv")
 
 
@@ -186,9 +206,10 @@ class SparseKVManager:
             self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
         self.key_dtype = summary_dtype
+        self.stats = Counters()
         self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
                                capacity=num_slots // unit_min(cfg) + 64 if pooled else 1024,
-                               dtype=summary_dtype)
+                               dtype=summary_dtype, stats=self.stats)
         self.pools = None
         self.states: dict[int, RequestState] = {}
         self.index_cache = IndexCache(self.store)
@@ -208,13 +229,6 @@ class SparseKVManager:
         # key slots of new units and freed KV slots, both read back from the device without waiting,
         # applied in the order they happened: ("keys", unit ids, LateRead) | ("slots", None, LateRead) | ("clear",)
         self._ordered: deque = deque()
-        self.stats = {"index_builds": 0, "index_reused": 0, "index_extends": 0, "grafts": 0, "sparse_steps": 0,
-                      "dense_steps": 0, "attended_tokens": 0, "scored_tokens": 0, "context_tokens": 0, "index_pool_full": 0,
-                      "dense_fallback_steps": 0, "scratch_full_steps": 0, "reused_list_steps": 0, "unselected_steps": 0,
-                      "own_order_steps": 0, "upload_fresh_buffers": 0,
-                      "decode_prepare_s": 0.0, "index_build_s": 0.0, "index_release_s": 0.0, "decode_host_syncs": 0,
-                      "extend_wait_s": 0.0, "build_chunks": 0, "extend_chunks": 0,
-                      **{k: 0.0 for k in PREPARE_PHASES + BUILD_PHASES}}
 
     # ------------------------------------------------------------------ frees (any thread)
     def request_freed(self, req_pool_idx: int) -> None:
@@ -267,7 +281,7 @@ class SparseKVManager:
         if state.pool is not None:
             t0 = time.perf_counter()
             self._release_index(state, finished=True)
-            self.stats["index_release_s"] += time.perf_counter() - t0
+            self.stats.index_release_s += time.perf_counter() - t0
         self.store.drop_unkeyed(state.unkeyed)
         self.store.release(state.units)
 
@@ -282,7 +296,7 @@ class SparseKVManager:
         cache(state.units[:state.pooled_chunks], lengths, self.pools.export_packed(*segs, lengths=lengths))
         self.pools.free(state.pool)
         if state.shared is not None:
-            self._release_shared(state.shared[0])
+            self._release_shared(state.shared.key)
         state.pool = state.shared = None
 
     # ------------------------------------------------------------------ per batch (forward thread)
@@ -291,7 +305,7 @@ class SparseKVManager:
         """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
         t0 = time.perf_counter()
         self.apply_frees()   # waits: a radix hit may reach units whose key slots are still on their way
-        self.stats["extend_wait_s"] += time.perf_counter() - t0
+        self.stats.extend_wait_s += time.perf_counter() - t0
         plan = PoolPlan(req_to_token)
         states = []
         for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
@@ -302,7 +316,7 @@ class SparseKVManager:
                 state = self.states[idx] = RequestState(row=idx)
                 t0 = time.perf_counter()
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
-                self.stats["extend_wait_s"] += time.perf_counter() - t0
+                self.stats.extend_wait_s += time.perf_counter() - t0
             state.seq_len = seq
             self._cut(state, toks, idx, seq, plan)
             states.append(state)
@@ -332,7 +346,7 @@ class SparseKVManager:
             if state is None:  # decode without a prefill we saw (e.g. a retracted request resumed)
                 state = self.states[idx] = RequestState(row=idx)
                 self._adopt_prefix(state, req_to_token[idx, :seq - 1])
-                self.stats["decode_host_syncs"] += 1
+                self.stats.decode_host_syncs += 1
             state.seq_len = seq
             states.append(state)
             if toks is not None:
@@ -359,7 +373,7 @@ class SparseKVManager:
     def _read_keys(self, uids: list[int], plan: PoolPlan) -> None:
         """The key slots of ``uids`` that the plan gathered come back one step late."""
         if uids:
-            self._ordered.append(("keys", uids, LateRead(plan.packed(self.device)[3])))
+            self._ordered.append(("keys", uids, LateRead(plan.packed(self.device).key_slots)))
 
     def _adopt_prefix(self, state: RequestState, slots: torch.Tensor) -> None:
         found = self.store.chain(slots, self.chunker.lookahead)
@@ -409,8 +423,11 @@ class SparseKVManager:
         if lead <= 0:   # the step after this one must still find every missing chunk inside its recent window
             self._graft_pooled(states, plan, k_buffers)
         t.append(time.perf_counter())
-        for key, a, b in zip(PREPARE_PHASES, t, t[1:]):
-            self.stats[key] += b - a
+        st = self.stats
+        st.prepare_frees_s += t[1] - t[0]
+        st.prepare_cut_s += t[2] - t[1]
+        st.prepare_place_s += t[3] - t[2]
+        st.prepare_graft_s += t[4] - t[3]
         if DEBUG:
             for s in states:
                 for seg in s.segments:
@@ -441,11 +458,12 @@ class SparseKVManager:
         if not plan.spans or not layers:
             return out
         if not self.use_kernels:
-            ids, slots, indptr, _, _ = plan.packed(self.device)
+            p = plan.packed(self.device)
+            ids, slots, indptr = p.ids, p.token_slots, p.indptr
             for i, l in enumerate(layers):
-                out[i, ids, :, :1] = summarize_units(k_buffers(l), slots, indptr, False).unsqueeze(2).to(out.dtype)
+                out[i, ids, :, :1] = pool_units_ref(k_buffers(l), slots, indptr, False).unsqueeze(2).to(out.dtype)
                 if box:
-                    out[i, ids, :, 1:] = summarize_units(k_buffers(l), slots, indptr, True).to(out.dtype)
+                    out[i, ids, :, 1:] = pool_units_ref(k_buffers(l), slots, indptr, True).to(out.dtype)
             return out
         # one launch reads every sparse layer's key buffer through a table of base addresses; the KV pool
         # allocates its buffers once, so the first and last layers' addresses stand for the table
@@ -457,7 +475,8 @@ class SparseKVManager:
                        for k in bufs), "the sparse layers' key buffers differ in layout"
             ptrs = torch.tensor([k.data_ptr() for k in bufs], dtype=torch.int64)
             self._k_ptrs = (key, to_device(ptrs, self.device))
-        ids, slots, indptr, _, _ = plan.packed(self.device)
+        p = plan.packed(self.device)
+        ids, slots, indptr = p.ids, p.token_slots, p.indptr
         self._pool_keys(self._k_ptrs[1], first, slots, indptr, ids, out)
         return out
 
@@ -510,9 +529,9 @@ class SparseKVManager:
         if seg is not None:
             # the segment's chunks past the ones this request shares are not scanned for it (their tokens still
             # count in their clusters' sizes, a few chunks at the end of the prefix); the chunks past go to its own
-            shared = min(n, seg.M)
-            seg = dataclasses.replace(seg, M=shared)
-            self.stats["index_reused"] += 1
+            shared = min(n, seg.chunks)
+            seg = dataclasses.replace(seg, chunks=shared)
+            self.stats.index_reused += 1
         Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
         if shared < len(state.units):
             t0 = time.perf_counter()
@@ -528,27 +547,27 @@ class SparseKVManager:
             packed = build_index_grouped(keys, lengths[shared:], c.fine_cluster_size, c.max_coarse,
                                          c.kmeans_iters, chunk_box=boxes).pack()
             if seg is None:
-                self.stats["index_builds"] += 1
-                self.stats["build_chunks"] += len(state.units)
+                self.stats.index_builds += 1
+                self.stats.build_chunks += len(state.units)
                 self.index_cache.add(state.units, lengths, packed)   # loading below copies it into the pools
             else:
-                self.stats["index_extends"] += 1
-                self.stats["extend_chunks"] += len(state.units) - shared
+                self.stats.index_extends += 1
+                self.stats.extend_chunks += len(state.units) - shared
             t2 = time.perf_counter()
-            self.stats["build_keys_s"] += t1 - t0
-            self.stats["build_cluster_s"] += t2 - t1
-            self.stats["index_build_s"] += t2 - t0
+            self.stats.build_keys_s += t1 - t0
+            self.stats.build_cluster_s += t2 - t1
+            self.stats.index_build_s += t2 - t0
         else:   # the whole prompt is the cached prefix: its own segment starts empty, for the grafts
             packed = empty_index(Ls * H, d, self.device, self.pools.box).pack()
             t2 = time.perf_counter()
         n = len(state.units) - shared
         state.pool = self.pools.load(packed, starts[shared:], lengths[shared:], room=max(64, n // 4))
-        self.stats["build_load_s"] += time.perf_counter() - t2
+        self.stats.build_load_s += time.perf_counter() - t2
         if state.pool is None:
             if seg is not None:
                 self._release_shared(key)
             return self._unplaced(state)
-        state.shared = (key, seg) if seg is not None else None
+        state.shared = SharedSegment(key, seg) if seg is not None else None
         state.unplaced_gen = None
 
     def _live_segment(self, units: np.ndarray) -> tuple[int, int] | None:
@@ -565,11 +584,11 @@ class SparseKVManager:
     def _unplaced(self, state: RequestState) -> None:
         """No room in the pools: the request decodes densely until a free makes room (never on less context)."""
         state.unplaced_gen = self.pools.generation
-        if not self.stats["index_pool_full"]:
+        if not self.stats.index_pool_full:
             logger.warning("sparse-kv: the index pools are full; requests without room decode densely (whole "
                            "context) until rows free up (counted in index_pool_full and dense_fallback_steps; "
                            "raise index_pool_scale to avoid it)")
-        self.stats["index_pool_full"] += 1
+        self.stats.index_pool_full += 1
 
     def _graft_pooled(self, states: list[RequestState], plan: PoolPlan, k_buffers) -> None:
         """Graft the chunks the requests' pooled indexes lack, every request's at once; called when the first missing
@@ -590,20 +609,18 @@ class SparseKVManager:
                 self._unplaced(state)
                 self._release_index(state, finished=False)
                 continue
-            jobs.append((len(plan.spans), n, rng.fo, rng.L, rng.co, row))
+            jobs.append(GraftJob(len(plan.spans), n, rng.fine_at, rng.fine, rng.coarse_at, row))
             for a, b in zip(state.starts[i:], state.ends[i:]):
                 plan.add(len(plan.spans), state.row, a, b)
                 lengths.append(b - a)
                 starts.append(a)
         asked = self._ask_keys(states, plan)
         if jobs:
-            G, J = len(jobs), len(lengths)
-            plan.payload = [v for col in zip(*jobs) for v in col] + lengths + starts
+            plan.payload = graft_payload(jobs, lengths, starts)
             keys = self.chunk_keys(plan, k_buffers)
-            payload = plan.packed(self.device)[4]
-            (graft_chunks if self.use_kernels else graft_chunks_ref)(
-                self.pools, keys, payload[:6 * G].view(6, G), payload[6 * G:6 * G + J], payload[6 * G + J:])
-            self.stats["grafts"] += J
+            args = graft_args(plan.packed(self.device).payload, len(jobs), len(lengths))
+            (graft_chunks if self.use_kernels else graft_chunks_ref)(self.pools, keys, *args)
+            self.stats.grafts += len(lengths)
         self._read_keys(asked, plan)   # after the payload is set: the plan packs once
 
     # ------------------------------------------------------------------ per layer
@@ -617,8 +634,9 @@ class SparseKVManager:
         """Quest: summaries of the plan's new units from this layer's keys (already written to the pool)."""
         if not plan.spans or not self.is_sparse_layer(layer_id):
             return
-        ids, slots, indptr, _, _ = plan.packed(self.device)
-        summarize = pool_units if self.use_kernels else summarize_units
+        p = plan.packed(self.device)
+        ids, slots, indptr = p.ids, p.token_slots, p.indptr
+        summarize = pool_units if self.use_kernels else pool_units_ref
         summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
         l = layer_id - self.cfg.dense_layers
         self.store.summary[l, ids] = summary.view(len(ids), *self.store.shape).to(self.store.dtype)
@@ -647,8 +665,7 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ reporting
     def snapshot_stats(self) -> dict:
-        out = dict(self.store.stats)
-        out.update(self.stats)
+        out = self.stats.snapshot()
         out["live_units"] = self.store.live_units
         out["unit_capacity"] = self.store.capacity
         out["live_requests"] = len(self.states)

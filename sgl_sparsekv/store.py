@@ -22,11 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sgl_sparsekv.stats import Counters
+
 
 class UnitStore:
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  vecs_per_unit: int, device: torch.device | str = "cpu", capacity: int = 1024,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, stats: Counters | None = None):
         self.device = torch.device(device)
         self.shape = (num_kv_heads, vecs_per_unit, head_dim)
         self.num_layers = num_layers
@@ -43,7 +45,7 @@ class UnitStore:
                         if vecs_per_unit else None)
         self._free: list[int] = []
         self.unkeyed = 0   # units whose key slot is still on its way back from the device
-        self.stats = {"units_built": 0, "units_reused": 0, "units_freed": 0}
+        self.stats = Counters() if stats is None else stats   # its owner's (``units_*``)
         self._grow(capacity)
 
     # ------------------------------------------------------------------ storage
@@ -89,7 +91,7 @@ class UnitStore:
         self.unit_start[uid], self.unit_end[uid] = start, end
         self.refs[uid] = 2
         self.unkeyed += 1
-        self.stats["units_built"] += 1
+        self.stats.units_built += 1
         return uid
 
     def key(self, uids: list[int], slots: list[int]) -> None:
@@ -123,7 +125,7 @@ class UnitStore:
             found.append(uid)
             pos = int(end[uid])
         self.retain(found)
-        self.stats["units_reused"] += len(found)
+        self.stats.units_reused += len(found)
         return found
 
     def retain(self, ids) -> None:
@@ -140,7 +142,7 @@ class UnitStore:
         gone = touched[np.argsort(first)]   # in the order given, as a loop of single releases would free them
         gone = gone[self.refs[gone] == 0]
         self._free.extend(gone.tolist())
-        self.stats["units_freed"] += len(gone)
+        self.stats.units_freed += len(gone)
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """KV slots went back to the allocator: drop the units keyed by them."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_sparsekv.config import ConfigError
+from sgl_sparsekv.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ decode) comes back one step late through :class:`LateRead`.
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 
 import numpy as np
@@ -106,13 +105,3 @@ class LateRead:
             self.event.synchronize()
         return self.host
 
-
-@contextlib.contextmanager
-def sync_check(mode="error"):
-    """CUDA's sync debug mode inside the block: "error" raises at any call that makes the host wait for the GPU,
-    "warn" warns, 0 checks nothing (tests and benchmarks prove a step's host work never waits)."""
-    torch.cuda.set_sync_debug_mode(mode)
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)

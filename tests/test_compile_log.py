@@ -51,16 +51,18 @@ def test_each_compile_is_logged_with_its_time_and_specialization(hooks, monkeypa
     assert rt.jit_post_compile_hook.__name__ == "<lambda>"
     monkeypatch.setenv(compile_log.ENV, str(path))
     assert compile_log.install_from_env() and not compile_log.install_from_env()   # once per process
-    for fn, block, pause in ((_fine_bounds_kernel, 16, 0.05), (_emit_kernel, 16, 0), (_fine_bounds_kernel, 128, 0)):
+    # a scripted clock: the compiles take 0.25 s, 0.002 s and 0 s
+    clock = iter([10.0, 10.25, 20.0, 20.002, 30.0, 30.0])
+    monkeypatch.setattr(compile_log, "time", types.SimpleNamespace(perf_counter=lambda: next(clock), time=time.time))
+    for fn, block in ((_fine_bounds_kernel, 16), (_emit_kernel, 16), (_fine_bounds_kernel, 128)):
         call(rt.jit_cache_hook, fn, block)
-        time.sleep(pause)
         call(rt.jit_post_compile_hook, fn, block)
     assert seen == [(w, n) for n in ("_fine_bounds_kernel", "_emit_kernel", "_fine_bounds_kernel")
                     for w in ("cache", "post")]    # the hooks set before still run
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["kernel"] for r in rows] == [f"{__name__}._fine_bounds_kernel", f"{__name__}._emit_kernel",
                                            f"{__name__}._fine_bounds_kernel"]
-    assert rows[0]["seconds"] >= 0.05 > rows[1]["seconds"]
+    assert [r["seconds"] for r in rows] == [0.25, 0.002, 0.0]
     assert rows[0]["at"] <= rows[1]["at"] <= round(time.time(), 3)   # "at" is rounded to the millisecond
     assert json.loads(rows[2]["specialization"])["key"][1] == ["*bf16", "i32", 128]
     summary = compile_log.summary(str(path))

@@ -1,9 +1,11 @@
 """The fidelity suite's quick mode, through the real server (CPU, SmolLM2): every method runs every task and
 the sparse ones really read a fraction of the KV."""
 
+import concurrent.futures
 import json
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,24 +188,35 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
     drawn = {(t, 300, seed): make(t, smollm2_tokenizer, 300, seed) for t in ("passkey", "niah_single")
              for seed in range(5)}
     asked = {x.prompt: key[2] for key, x in drawn.items()}
-    started = []
+    started, sent = [], []
+    # seed 2 of both tasks is in flight (concurrency 2) when the deadline comes, and ends only once the samples not
+    # sent yet (seeds 3 and 4 of both tasks) are cancelled: whatever the machine's speed, those are never sent
+    cancel, cancelled, dropped = concurrent.futures.Future.cancel, [], threading.Event()
+
+    def counting_cancel(future):
+        if (done := cancel(future)) and len(cancelled) < 4:
+            cancelled.append(future)
+            if len(cancelled) == 4:
+                dropped.set()
+        return done
 
     class FakeServer(StartedServer):
         def __init__(self, model_dir, method, cfg, **kwargs):
             started.append(method)
 
         def complete(self, prompt, max_tokens, logprobs=None):
+            sent.append(asked[prompt])
             if asked[prompt] >= 2:
-                time.sleep(3.0)   # seed 2 of both tasks is in flight (concurrency 2) when the deadline comes
+                assert dropped.wait(60)
             return {"choices": [{"text": " no idea", "logprobs": {"tokens": [], "top_logprobs": []}}]}
 
+    monkeypatch.setattr(concurrent.futures.Future, "cancel", counting_cancel)
     monkeypatch.setattr(fidelity, "Server", FakeServer)
     # drawn already: the second before the deadline is the serving's, not the tokenizer's on a busy machine
     monkeypatch.setattr(fidelity, "make_all", lambda model_dir, keys, workers: {k: drawn[k] for k in keys})
-    t0 = time.time()
     res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee"], [256], ["passkey", "niah_single"], [300], 5,
                        concurrency=2, deadline=time.time() + 1.0)
-    assert time.time() - t0 < 6.0   # seeds 3 and 4 were never sent
+    assert sorted(sent) == [0, 0, 1, 1, 2, 2]   # seeds 3 and 4 were never sent
     assert [r["method"] for r in res["runs"]] == ["off"] and res["runs"][0]["samples"] == 3
     assert {c["n"] for c in res["runs"][0]["counts"].values()} == {3}
     assert res["runs"][0]["counts"]["passkey@300"]["failed"] == [0, 1, 2]

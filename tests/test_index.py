@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sgl_sparsekv.index import (ClusterIndex, box_bound, build_index, build_index_grouped, cluster_counts, graft_chunk,
-                                quantize_box, union, upper_bound)
+from helpers import graft_chunk
+from sgl_sparsekv.index import (ClusterIndex, box_bound, build_index, build_index_grouped, cluster_counts, quantize_box,
+                                union, upper_bound)
 from sgl_sparsekv.select import (quest_scores, select_chunks, select_clusters, select_pages,
                                  units_to_token_mask)
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from sgl_sparsekv.kernels.bounds import group_mean, node_bounds, node_bounds_ref
 from sgl_sparsekv.kernels.kmeans import cluster_sums, cluster_sums_ref, nearest_centroid, nearest_centroid_ref
 from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref
@@ -162,26 +161,6 @@ def test_pool_units_all_layers_in_one_launch(minmax):
     check_pool_units_layers(3, 300, 25, 64, minmax, seed=4)
 
 
-@pytest.mark.parametrize("G", [1, 3, 4, 7])
-@pytest.mark.parametrize("D", [64, 128])
-def test_node_bounds(G, D):
-    gen = torch.Generator().manual_seed(G * D)
-    bs, H, N = 3, 2, 70
-    q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
-    mu = torch.nn.functional.normalize(torch.randn(bs, H, N, D, generator=gen), dim=-1).to(DEV)
-    r = torch.rand(bs, H, N, generator=gen).to(DEV)
-    r[0, 0, 5] = float("-inf")  # an empty cluster
-    n_nodes = torch.tensor([70, 33, 1], dtype=torch.int32, device=DEV)  # variable node counts per request
-    ub = node_bounds(q, mu, r, n_nodes, block_n=32)
-    ref = node_bounds_ref(q, mu, r, n_nodes)
-    assert torch.equal(torch.isinf(ub), torch.isinf(ref))
-    fin = torch.isfinite(ref)
-    assert torch.allclose(ub[fin], ref[fin], atol=1e-2, rtol=1e-3)
-    # mean-query reduction is the same kernel on the averaged queries
-    qm = group_mean(q.float(), H)
-    assert torch.allclose(node_bounds(qm, mu, r, n_nodes)[fin], node_bounds_ref(qm, mu, r, n_nodes)[fin], atol=1e-3)
-
-
 def check_nearest_centroid(H, N, K, D, seed):
     """The kernel's choice is a nearest centroid (up to TF32 rounding on near-ties); exact ties go to the first."""
     gen = torch.Generator().manual_seed(seed)
@@ -266,7 +245,7 @@ def test_pool_units_all_layers_real_shapes():
 
 
 @pytest.mark.gpu
-def test_pool_and_bounds_real_shapes():
+def test_pool_units_real_shapes():
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(140_000, 8, 128, generator=gen).to(DEV, DTYPE)
     lens = torch.randint(8, 17, (10_000,), generator=gen)
@@ -276,10 +255,3 @@ def test_pool_and_bounds_real_shapes():
     for minmax in (False, True):
         out = pool_units(k, slots.to(DEV), indptr.to(DEV), minmax)
         assert rel_err(out, pool_units_ref(k, slots.to(DEV), indptr.to(DEV), minmax)) < 1e-4
-    q = torch.randn(8, 32, 128, generator=gen).to(DEV, DTYPE)
-    mu = torch.nn.functional.normalize(torch.randn(8, 8, 5000, 128, generator=gen), dim=-1).to(DEV)
-    r = torch.rand(8, 8, 5000, generator=gen).to(DEV)
-    n = torch.randint(1000, 5001, (8,), generator=gen).to(torch.int32).to(DEV)
-    ub, ref = node_bounds(q, mu, r, n), node_bounds_ref(q, mu, r, n)
-    fin = torch.isfinite(ref)
-    assert torch.equal(fin, torch.isfinite(ub)) and torch.allclose(ub[fin], ref[fin], atol=2e-2, rtol=1e-2)

@@ -4,9 +4,17 @@ SGLang's own one-program-per-request kernel, entry for entry (small shapes on CP
 import pytest
 import torch
 
-from sgl_sparsekv.kernels.page_table import BLOCK, PROGRAMS, PageTableWriter, page_table_torch
+from sgl_sparsekv.kernels.page_table import BLOCK, PROGRAMS, PageTableWriter
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def page_table_torch(req_to_token: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, indptr: torch.Tensor,
+                     start: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The kernel's torch twin: request by request."""
+    for b in range(rows.numel()):
+        s, n, o = (0 if start is None else int(start[b])), int(lens[b]), int(indptr[b])
+        out[o:o + n] = req_to_token[int(rows[b]), s:s + n]
 
 
 def check(lens: list[int], row_len: int, shifted: bool, seed: int = 0) -> None:

@@ -11,16 +11,18 @@ import types
 import pytest
 import torch
 
+from helpers import graft_chunk, sync_check
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.attend import sparse_decode
-from sgl_sparsekv.index import ClusterIndex, build_index, graft_chunk, recount, union
-from sgl_sparsekv.select import select_chunks, units_to_token_mask
+from sgl_sparsekv.index import ClusterIndex, build_index, recount, union
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
-from sgl_sparsekv.kernels.graft import graft_chunks, graft_chunks_ref, precompile_graft
+from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
 from sgl_sparsekv.manager import SparseKVManager
-from sgl_sparsekv.patches.pooled_decode import PooledDecode
-from sgl_sparsekv.transfer import StagedUpload, sync_check
+from sgl_sparsekv.pool_ops import graft_chunks_ref
+from sgl_sparsekv.pooled_decode import PooledDecode
+from sgl_sparsekv.select import select_chunks, units_to_token_mask
+from sgl_sparsekv.transfer import StagedUpload
 from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
 
 G = 3
@@ -83,21 +85,21 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev, box):
     lengths, starts = torch.tensor([9, 16, 12, 10, 11, 8, 13, 14]), torch.arange(8) * 16 + 500
     jobs, backlogs = [], ((0, 6), (6, 2))
     for (k0, n), ref, rng in zip(backlogs, refs, ranges):
-        jobs.append([k0, n, rng.fo, rng.L, rng.co, pools.add_chunks(rng, n)])
+        jobs.append(GraftJob(k0, n, rng.fine_at, rng.fine, rng.coarse_at, pools.add_chunks(rng, n)))
         for kr in range(k0, k0 + n):
             graft_chunk(ref, new[:, kr, :, 0].reshape(Ls * H, d), int(lengths[kr]),
                         new[:, kr, :, 1:].reshape(Ls * H, 2, d) if box else None)
     near = refs[0].chunk_fine[:, M:M + 6]
     assert (near == near[:, :1]).all(1).float().mean() > 0.5   # mostly one cluster: grafts build on each other
     graft_fn(pools, new.to(dev), torch.tensor(jobs, device=dev).T.contiguous(), lengths.to(dev), starts.to(dev))
-    assert ranges[0].kcap == 2 * (M + 2) and ranges[0].M == M + 6 and ranges[1].M == M // 2 + 2
+    assert ranges[0].chunk_rows == 2 * (M + 2) and ranges[0].chunks == M + 6 and ranges[1].chunks == M // 2 + 2
     for (k0, n), ref, rng in zip(backlogs, refs, ranges):
         got = pools.export(rng)
         for name, t in vars(ref).items():
             # centroids are exact (IEEE divisions); on the GPU a radius's square root is not IEEE's
             rtol = 1e-5 if dev == "cuda" else 0
             assert torch.allclose(getattr(got, name).cpu().to(t.dtype), t, atol=1e-5, rtol=rtol), name
-        added = slice(rng.ko + rng.M - n, rng.ko + rng.M)
+        added = slice(rng.chunk_at + rng.chunks - n, rng.chunk_at + rng.chunks)
         assert pools.klen[added].tolist() == lengths[k0:k0 + n].tolist()
         assert pools.kstart[added].tolist() == starts[k0:k0 + n].tolist()
 
@@ -121,7 +123,7 @@ def test_export_packed_is_the_union_of_the_segments_as_stored_and_owns_its_memor
         lengths.append(n)
     # the shared segment's clusters count chunks past the request's share of it: the export counts its own
     shared_len = 20
-    ranges[0].M = shared_len
+    ranges[0].chunks = shared_len
     lengths[0] = lengths[0][:shared_len]
     got = pools.export_packed(*ranges)
 
@@ -316,7 +318,8 @@ class TwinWorld(World):
         return eager_first_steps(True, runner, batch)
 
 
-@pytest.mark.parametrize("seed,overrides", [(0, None), (1, None), (2, {"fine_bound": "box", "radius_weight": 1.0})])
+@pytest.mark.parametrize("seed,overrides", [(0, None), (1, None), (2, {"fine_bound": "box", "radius_weight": 1.0}),
+                                            (3, {"gqa_reduce": "mean"})])
 def test_pooled_decode_equals_spec_under_radix_history(seed, overrides):
     w = TwinWorld(seed, overrides)
     w.rng = random.Random(seed)
@@ -324,7 +327,7 @@ def test_pooled_decode_equals_spec_under_radix_history(seed, overrides):
     for _ in range(6):
         w.decode_batch(list(w.live))
     st = w.pooled.stats
-    assert st["index_builds"] + st["index_reused"] > 0 and st["grafts"] > 0 and st["index_pool_full"] == 0
+    assert st.index_builds + st.index_reused > 0 and st.grafts > 0 and st.index_pool_full == 0
     assert w.lists_checked > 200
     for req in w.live:
         w.check_index(req)
@@ -351,12 +354,12 @@ def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
     steps = 150
     for _ in range(steps):
         units = [len(m.states[r.req_pool_idx].units) if r.req_pool_idx in m.states else 0 for r in w.live]
-        grafts = m.stats["grafts"]
+        grafts = m.stats.grafts
         w.decode_batch_unchecked(list(w.live))
         states = [m.states[r.req_pool_idx] for r in w.live]
         cut_steps += any(len(s.units) > n for s, n in zip(states, units) if s.pool is not None)
         asked = [e for e in m._ordered if e[0] == "keys"]   # key-slot reads this step started
-        if m.stats["grafts"] > grafts:
+        if m.stats.grafts > grafts:
             graft_steps += 1
             assert all(s.pooled_chunks == len(s.units) for s in states if s.pool is not None)
             # the graft's one upload gathers the key slots of every unit cut since the last graft
@@ -385,9 +388,9 @@ def test_adopters_of_one_prefix_decode_over_one_shared_segment():
         w.decode_batch(list(w.live))
     m = w.pooled
     states = [m.states[r.req_pool_idx] for r in w.live]
-    assert all(st.shared is not None for st in states) and len({st.shared[0] for st in states}) == 1
+    assert all(st.shared is not None for st in states) and len({st.shared.key for st in states}) == 1
     assert m.pools.shared_fill() == {"segments": 1, "references": 3}
-    assert m.stats["grafts"] > 0 and all(st.pool.M > 0 for st in states) and w.lists_checked >= 300
+    assert m.stats.grafts > 0 and all(st.pool.chunks > 0 for st in states) and w.lists_checked >= 300
     for req in list(w.live):
         w.finish(req, abort=False)
     m.prepare_extend([], [], [], w.req_pool.req_to_token, [])
@@ -410,26 +413,26 @@ def test_a_batch_past_the_selection_scratch_decodes_its_overflow_densely(every):
         w.start()
     w.decode_batch(list(w.live))
     first = w.pooled.states[w.live[0].req_pool_idx]
-    rows = sum(seg.L for seg in first.segments)
+    rows = sum(seg.fine for seg in first.segments)
     w.decoder.scratch = tuple(t[:, :rows].contiguous() for t in w.decoder.scratch)
-    before = w.pooled.stats["dense_fallback_steps"]
+    before = w.pooled.stats.dense_fallback_steps
     overflows = []
     steps = {1: 3, 3: 6, "ahead": 4}[every]
     for _ in range(steps):
-        attended = w.pooled.stats["attended_tokens"]
+        attended = w.pooled.stats.attended_tokens
         w.decode_batch(list(w.live))
         dense = {r.req_pool_idx for r, u in zip(w.live, w.decoder.direct.tolist()) if u} if ahead else w.overflow
         overflows.append(dense)
         # the attended tokens count a dense row's whole sequence, a sparse row's budget
         seqs = w.decoder.seq[:2].tolist()
-        assert w.pooled.stats["attended_tokens"] - attended == sum(
+        assert w.pooled.stats.attended_tokens - attended == sum(
             S if r.req_pool_idx in dense else min(S, w.cfg.token_budget) for r, S in zip(w.live, seqs))
     if every == 1:
         assert overflows == [{w.live[1].req_pool_idx}] * 3
     if ahead:   # the lists of its step before the scratch shrank, then its whole sequence
         assert overflows == [set()] + [{w.live[1].req_pool_idx}] * 3
     if every != 3:
-        assert w.pooled.stats["dense_fallback_steps"] - before == steps == w.pooled.stats["scratch_full_steps"]
+        assert w.pooled.stats.dense_fallback_steps - before == steps == w.pooled.stats.scratch_full_steps
     else:
         assert {w.live[1].req_pool_idx} in overflows and set() in overflows and w.reused > 0, overflows
 
@@ -446,7 +449,7 @@ def test_hybrid_heads_reuse_the_previous_layers_lists(tmp_path):
         w.start()
     for _ in range(40):   # grafts wait for the recent window's edge (32 tokens here)
         w.decode_batch(list(w.live))
-    assert w.pooled.stats["grafts"] > 0 and w.lists_checked > 100
+    assert w.pooled.stats.grafts > 0 and w.lists_checked > 100
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -461,8 +464,8 @@ def test_select_every_reuses_lists_between_selections(seed):
     for _ in range(30):   # grafts wait for the recent window's edge
         w.decode_batch(list(w.live))
     st = w.pooled.stats
-    assert w.reused > 0 and st["reused_list_steps"] > 0 and st["grafts"] > 0 and w.lists_checked > 200
-    assert st["dense_fallback_steps"] == 0
+    assert w.reused > 0 and st.reused_list_steps > 0 and st.grafts > 0 and w.lists_checked > 200
+    assert st.dense_fallback_steps == 0
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -483,11 +486,11 @@ def test_select_ahead_attends_to_the_lists_of_the_step_before(seed, steps):
     for _ in range(30):
         w.decode_batch(list(w.live))
     st = w.pooled.stats
-    assert w.reused > 0 and st["grafts"] > 0 and w.lists_checked > 200 and st["dense_fallback_steps"] == 0
+    assert w.reused > 0 and st.grafts > 0 and w.lists_checked > 200 and st.dense_fallback_steps == 0
     if steps == "graph":
-        assert st["unselected_steps"] > 0 and w.own_steps == st["own_order_steps"] == 0
+        assert st.unselected_steps > 0 and w.own_steps == st.own_order_steps == 0
     else:
-        assert st["unselected_steps"] == 0 and w.own_steps > 0 and st["own_order_steps"] > 0
+        assert st.unselected_steps == 0 and w.own_steps > 0 and st.own_order_steps > 0
 
 
 @pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
@@ -532,7 +535,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     every = 1 if ahead else every
     if no_sync:
         monkeypatch.setattr("sgl_sparsekv.manager.DEBUG", False)
-        monkeypatch.setattr("sgl_sparsekv.patches.pooled_decode.DEBUG", False)
+        monkeypatch.setattr("sgl_sparsekv.pooled_decode.DEBUG", False)
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
@@ -635,10 +638,10 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
                 assert swapped <= 4 * cfg.chunk_max, near_ties[-1]
             checked += n
     assert len(near_ties) <= checked // 100, near_ties
-    assert pooled.stats["grafts"] == ref.stats["grafts"] > 0 and pooled.stats["index_builds"] == 3
-    assert pooled.stats["decode_host_syncs"] == 0
-    assert (pooled.stats["reused_list_steps"] > 0) == (every > 1)
-    assert pooled.stats["unselected_steps"] == 0   # select_ahead's first steps selected with their own query
+    assert pooled.stats.grafts == ref.stats.grafts > 0 and pooled.stats.index_builds == 3
+    assert pooled.stats.decode_host_syncs == 0
+    assert (pooled.stats.reused_list_steps > 0) == (every > 1)
+    assert pooled.stats.unselected_steps == 0   # select_ahead's first steps selected with their own query
     # a request finishes: the next step caches its index over the grafted chunks without waiting for the GPU
     done = pooled.states[rows[0]]
     grafted = done.units[:done.pooled_chunks]
@@ -701,12 +704,12 @@ def test_full_pools_decode_densely_until_placed(monkeypatch):
                 assert int(w.decoder.direct[i]) == 1
                 want = sparse_decode(q[i], w.k[1], w.v[1], r2t[row, :S], torch.ones(H, S, dtype=torch.bool), scale)
                 assert torch.allclose(out[i], want, atol=1e-4), (step, row)
-            elif st.pool is not None and st.unplaced_gen is None and m.stats["dense_fallback_steps"]:
+            elif st.pool is not None and st.unplaced_gen is None and m.stats.dense_fallback_steps:
                 placed_after_dense.add(row)
         if step == 20:   # the requests that hold rows finish: the others must get theirs
             for req in [r for r in reqs if m.states[r.req_pool_idx].pool is not None]:
                 w.finish(req, abort=False)
-    assert m.stats["index_pool_full"] > 0 and m.stats["dense_fallback_steps"] == dense_seen > 0
+    assert m.stats.index_pool_full > 0 and m.stats.dense_fallback_steps == dense_seen > 0
     assert placed_after_dense, "a request that decoded densely never got its index placed"
     for req in list(w.live):
         w.finish(req, abort=False)
@@ -736,7 +739,7 @@ def test_graft_past_int32_offsets():
                                                         dim=-1).to(summary.dtype)
         row = pools.add_chunks(rng, 1)
         graft_chunk(ref, summary[:, uid, :, 0].float().reshape(Ls * Hk, d), 12)
-        jobs = torch.tensor([[uid, 1, rng.fo, rng.L, rng.co, row]], device=dev).T.contiguous()
+        jobs = torch.tensor([GraftJob(uid, 1, rng.fine_at, rng.fine, rng.coarse_at, row)], device=dev).T.contiguous()
         graft_chunks(pools, summary, jobs, torch.full((U,), 12, device=dev), torch.full((U,), 10_000, device=dev))
     torch.cuda.synchronize()
     got = pools.export(rng)
@@ -800,7 +803,7 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
         want = sparse_decode(q[dense_i], k[1], v[1], r2t[row, :S], torch.ones(Hk, S, dtype=torch.bool, device=dev),
                              d ** -0.5)
         assert torch.allclose(out[dense_i].float(), want.float(), atol=2e-2, rtol=2e-2)
-    assert m.stats["dense_fallback_steps"] == 6
+    assert m.stats.dense_fallback_steps == 6
     m.request_freed(rows[1 - dense_i])         # the placed request finishes: its rows go back
     step([dense_i])
     assert m.states[rows[dense_i]].pool is not None and int(dec.direct[0]) == 0
@@ -831,13 +834,11 @@ def test_graft_compiles_once_across_step_shapes():
         per = [J // G + (i < J % G) for i in range(G)]
         jobs, k0 = [], 0
         for rng, n in zip(ranges, per):
-            jobs.append([k0, n, rng.fo, rng.L, rng.co, pools.add_chunks(rng, n)])
+            jobs.append(GraftJob(k0, n, rng.fine_at, rng.fine, rng.coarse_at, pools.add_chunks(rng, n)))
             k0 += n
-        flat = [7] * pad + [v for col in zip(*jobs) for v in col] + [12] * J + list(range(J))
-        payload = torch.tensor(flat, device=dev)[pad:]
+        payload = torch.tensor([7] * pad + graft_payload(jobs, [12] * J, range(J)), device=dev)[pad:]
         keys = torch.nn.functional.normalize(torch.randn(Ls, J, H, 1, d, device=dev, generator=gen), dim=-1)
-        graft_chunks(pools, keys.to(torch.bfloat16), payload[:6 * G].view(6, G), payload[6 * G:6 * G + J],
-                     payload[6 * G + J:])
+        graft_chunks(pools, keys.to(torch.bfloat16), *graft_args(payload, G, J))
         n = len(cache)
         assert n == variants, f"step {step} (G={G}, J={J}, offset {pad}) compiled a new graft variant"
     torch.cuda.synchronize()
@@ -878,7 +879,7 @@ def test_index_placement_compiles_nothing_after_startup(fine_bound):
         m.finish_extend([row], [True], r2t, lambda l: k[l])
         assert m.states[row].pool is not None
         assert variants() == at_start, f"a {n}-token prompt compiled a new kernel variant"
-    assert m.stats["index_builds"] == len(lens)
+    assert m.stats.index_builds == len(lens)
     torch.cuda.synchronize()
 
 

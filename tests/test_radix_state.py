@@ -15,7 +15,7 @@ from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.backend import watch_frees
-from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from sgl_sparsekv.pooled_decode import PooledDecode
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -195,7 +195,7 @@ class World:
         if st.pool is None:
             return
         ix, M = m.pools.export(*st.segments), st.pooled_chunks
-        k = torch.cat([torch.arange(seg.ko, seg.ko + seg.M) for seg in st.segments])
+        k = torch.cat([torch.arange(seg.chunk_at, seg.chunk_at + seg.chunks) for seg in st.segments])
         assert m.pools.kstart[k].tolist() == st.starts[:M]
         assert m.pools.klen[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
         row = self.req_pool.req_to_token[req.req_pool_idx]
@@ -274,7 +274,7 @@ def test_random_radix_history_equals_rebuild(method, seed):
     for req in list(w.live):
         w.finish(req, abort=False)
     w.check_against_rebuild()
-    assert w.manager.store.stats["units_reused"] > 0
+    assert w.manager.store.stats.units_reused > 0
 
 
 def test_a_later_sharer_reads_the_live_copy_of_the_prefix_index():
@@ -295,10 +295,10 @@ def test_a_later_sharer_reads_the_live_copy_of_the_prefix_index():
     sb = m.states[b.req_pool_idx]
     w.finish(start(30), abort=False)
     m.apply_frees()
-    assert sb.shared is not None and m.stats["index_builds"] == 1 and len(m.index_cache.entries) == 1
+    assert sb.shared is not None and m.stats.index_builds == 1 and len(m.index_cache.entries) == 1
     c = start(10)
     sc = m.states[c.req_pool_idx]
-    assert sc.shared is not None and sc.shared[0] == sb.shared[0]
+    assert sc.shared is not None and sc.shared.key == sb.shared.key
     assert m.pools.shared_fill() == {"segments": 1, "references": 2}
     for _ in range(40):
         w.forward_decode(b)
@@ -327,14 +327,14 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     sb, sc = m.states[b.req_pool_idx], m.states[c.req_pool_idx]
     # both adopted the cached document's index as one shared segment: one copy in the pools, of which each reads
     # the chunks it shares (here not as many for both)
-    rows = [(seg.co, seg.fo, seg.ko) for seg in (sb.shared[1], sc.shared[1])]
-    assert sb.shared[0] == sc.shared[0] and rows[0] == rows[1] and sb.shared[1].M != sc.shared[1].M
+    rows = [(seg.coarse_at, seg.fine_at, seg.chunk_at) for seg in (sb.shared.ranges, sc.shared.ranges)]
+    assert sb.shared.key == sc.shared.key and rows[0] == rows[1] and sb.shared.ranges.chunks != sc.shared.ranges.chunks
     assert m.pools.shared_fill() == {"segments": 1, "references": 2}
     # each clustered only its chunks past the shared ones (the counts the serving benchmark reports)
-    own = [len(s.units) - s.shared[1].M for s in (sb, sc)]
-    assert m.stats["extend_chunks"] == sum(own) == sb.pool.M + sc.pool.M > 0
-    assert m.stats["build_chunks"] > max(own)
-    frozen = m.pools.export(sb.shared[1])
+    own = [len(s.units) - s.shared.ranges.chunks for s in (sb, sc)]
+    assert m.stats.extend_chunks == sum(own) == sb.pool.chunks + sc.pool.chunks > 0
+    assert m.stats.build_chunks > max(own)
+    frozen = m.pools.export(sb.shared.ranges)
     for _ in range(60):
         w.forward_decode(b)
         w.forward_decode(c)
@@ -346,10 +346,10 @@ def test_concurrent_sharers_keep_their_own_decode_chunks():
     w.check_live_requests()
     # the sharers clustered their own chunks past the document into segments of their own, where their
     # grafts went: the shared rows are as they were
-    assert m.stats["index_reused"] >= 2 and m.stats["index_builds"] == 1 and m.stats["index_extends"] == 2
-    assert sb.pool.M > 0 and sc.pool.M > 0 and m.stats["grafts"] > 0
-    assert all(torch.equal(t, getattr(frozen, k)) for k, t in vars(m.pools.export(sb.shared[1])).items())
-    assert sb.pool.fo != sc.pool.fo and sb.pool.ko != sc.pool.ko
+    assert m.stats.index_reused >= 2 and m.stats.index_builds == 1 and m.stats.index_extends == 2
+    assert sb.pool.chunks > 0 and sc.pool.chunks > 0 and m.stats.grafts > 0
+    assert all(torch.equal(t, getattr(frozen, k)) for k, t in vars(m.pools.export(sb.shared.ranges)).items())
+    assert sb.pool.fine_at != sc.pool.fine_at and sb.pool.chunk_at != sc.pool.chunk_at
     for req in (b, c):
         w.finish(req, abort=False)
     m.apply_frees()

@@ -5,8 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from sgl_sparsekv.index import ClusterIndex, build_index, empty_index, union, upper_bound
-from sgl_sparsekv.kernels.select import (RANGE_FIELDS, emit_tokens, emit_tokens_ref, over_shared, pack, pack_box,
-                                         scratch, select_fine, select_fine_ref)
+from bench.packing import over_shared, pack, pack_box
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, RequestRanges, Segment, batch_ranges, emit_tokens, emit_tokens_ref,
+                                         scratch, select_fine)
+from sgl_sparsekv.pool_ops import select_fine_ref
 from sgl_sparsekv.select import select_clusters, units_to_token_mask
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,7 +17,8 @@ NEG = float("-inf")
 
 def own_rows(ranges, b):
     """Request ``b``'s scratch rows in a ``pack``ed batch (its index is its own segment)."""
-    so, L = int(ranges[RANGE_FIELDS.index("so"), b]), int(ranges[RANGE_FIELDS.index("L1"), b])
+    r = batch_ranges(ranges, b + 1)[b]
+    so, L = r.scratch_at, r.own.fine
     return slice(so, so + L)
 
 
@@ -355,7 +358,7 @@ def test_requests_over_one_shared_segment(ops):
     for b in range(3):
         ix = union(shared, own[b])
         ref = select_clusters(ix, q[b].view(H, G, D), cap - sink - recent, 4.0, "max", 0.25)
-        so_b = int(ranges[RANGE_FIELDS.index("so"), b])
+        so_b = int(ranges[RANGE_FIELDS.index("scratch_at"), b])
         assert torch.equal(sel[:, so_b:so_b + ix.fine_r.shape[1]] > 0, ref), b
         starts, lens = torch.cat([s0, own_starts[b]]), torch.cat([l0, own_lens[b]])
         S = int(seq[b])
@@ -378,16 +381,17 @@ def test_rows_over_two_prefixes_interleaved(parts):
     prefixes, p_starts, p_lens, _ = make_batch(2, H, G, D, [120, 90], gen)
     own, own_starts, own_lens, q = make_batch(6, H, G, D, [20, 60, 5, 33, 12, 1], gen)
     coarse, fine, chunks, packed = pack([*prefixes, *own], [*p_starts, *own_starts], [*p_lens, *own_lens], DEV)
-    F_ = {name: i for i, name in enumerate(RANGE_FIELDS)}
     adopted = [0, None, 1, 0, 1, None]
-    ranges = packed[:, 2:].clone()
+    packs = batch_ranges(packed, packed.shape[1])
+    columns, at = [], 7
     for b, p in enumerate(adopted):
-        if p is not None:
-            for s in ("co", "P", "fo", "L", "ko", "M"):
-                ranges[F_[s + "0"], b] = packed[F_[s + "1"], p]
-    ranges[:, 5] = 0   # a row without an index in the pools (dense fallback or padding)
-    L = ranges[F_["L0"]] + ranges[F_["L1"]]
-    ranges[F_["so"]] = 7 + torch.cumsum(L, 0) - L
+        r = RequestRanges(Segment() if p is None else packs[p].own, packs[2 + b].own, at)
+        if b == 5:
+            r = RequestRanges(Segment(), Segment(), at)   # a row without an index in the pools (dense fallback, padding)
+        columns.append(r.column())
+        at += r.fines
+    ranges = torch.tensor(columns, dtype=torch.int32, device=DEV).T.contiguous()
+    L = torch.tensor([RequestRanges.of(c).fines for c in columns])
     rows = int(7 + L.sum()) + 5
     heads = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
     rem = torch.tensor([100, 300, 60, 1000, 200, 50], dtype=torch.int32, device=DEV)

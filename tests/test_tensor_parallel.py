@@ -15,7 +15,7 @@ from sgl_sparsekv import head_roles
 from sgl_sparsekv.config import ConfigError
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches.backend import watch_frees
-from sgl_sparsekv.patches.pooled_decode import PooledDecode
+from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
 from tests.test_pooled_decode import G, TwinWorld
 from tests.test_radix_state import LAYERS, SLOTS, D, H, synthetic_table

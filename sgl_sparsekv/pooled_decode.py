@@ -1,8 +1,9 @@
 """Lychee decode from the index pools, in static buffers that a CUDA graph captures (on the GPU).
 
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
-writes every batch row's pool ranges (its shared and own segments, ``kernels.select.RANGE_FIELDS``) and its
-rows of the step's selection scratch into fixed ``[max_bs]`` tensors. Inside the graph each sparse
+writes every batch row's ``StepRow`` (its pool ranges, ``kernels.select.RequestRanges``: its shared and own
+segments and its rows of the step's selection scratch; then its length, budget and list row) into fixed
+``[max_bs]`` tensors. Inside the graph each sparse
 layer runs ``select_fine`` -> ``emit_tokens`` -> ``sparse_decode_attention`` on them: no host reads,
 shapes fixed by the captured batch size, every list at most ``token_budget`` slots. With ``rerank_factor`` f > 1
 the cut and emission pick f times the budget's retrieved tokens as candidates and ``rerank_tokens`` keeps the
@@ -36,16 +37,17 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import torch
-import triton
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.kernels import rerank
-from sgl_sparsekv.kernels.select import (RANGE_FIELDS, all_heads, emit_tokens, emit_tokens_ref, scratch, select_fine,
-                                         select_fine_ref)
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, RequestRanges, Segment, all_heads, batch_ranges, emit_tokens,
+                                         emit_tokens_ref, scratch, select_fine)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
-from sgl_sparsekv.manager import DEBUG, SparseKVManager, logger
+from sgl_sparsekv.manager import DEBUG, KeptLists, SparseKVManager, logger
+from sgl_sparsekv.pool_ops import select_fine_ref
 from sgl_sparsekv.transfer import StagedUpload
 
 SPLITS = 8  # flash-decoding splits of a list
@@ -53,11 +55,29 @@ SPLITS = 8  # flash-decoding splits of a list
 # rows: requests that share a prefix's segment each need scratch rows for all of its clusters
 SCRATCH_PER_FINE_ROW = 4
 NR = len(RANGE_FIELDS)
-# per batch row after the ranges: request row, length, budget left for retrieved units, dense fallback, whether it
-# selects this step, its list row, where its tail starts
-EXTRA = ("row", "seq", "budget", "direct", "fresh", "list_row", "tail_from")
-UNPLACED = [0] * NR                        # the ranges of a request without an index in the pools
-PADDING_ROW = UNPLACED + [0, 1, 0, 1, 0, 0, 0]   # a batch row past the requests: one token of request row 0
+
+
+class StepRow(NamedTuple):
+    """One batch row of a decode step's table, a column of ``PooledDecode.table``: where its index lies in the
+    pools, then what the kernels read beside it."""
+
+    ranges: RequestRanges
+    row: int         # its row in req_to_token
+    seq: int         # its length
+    budget: int      # tokens the cut retrieves past the sink and the recent window
+    direct: int      # attends to its whole sequence (past the budget without an index, or without lists)
+    fresh: int       # selects this step
+    list_row: int    # its token lists' row
+    tail_from: int   # its tokens from here on are attended beside its lists
+
+    def column(self) -> list[int]:
+        return [*self.ranges.column(), *self[1:]]
+
+
+EXTRA = StepRow._fields[1:]
+UNPLACED = RequestRanges(Segment(), Segment(), 0)   # the ranges of a request without an index in the pools
+# a batch row past the requests: one token of request row 0
+PADDING_ROW = StepRow(UNPLACED, row=0, seq=1, budget=0, direct=1, fresh=0, list_row=0, tail_from=0).column()
 
 
 def parts_for(bs: int) -> int:
@@ -65,20 +85,17 @@ def parts_for(bs: int) -> int:
     batch, at least 16. Timed on an H200 at 32K and 126K (bench/results/parts_sweep_h200.json): at batch 1, 128
     shorten each program's walk over its tiles (the chain 0.0487 -> 0.0474 ms per layer at 32K, 0.0677 -> 0.0615 at
     126K, against 32); at batch 16, 16-32 are best and 128 cost 25% more."""
-    return max(16, 128 // triton.next_power_of_2(bs))
+    return max(16, 128 // (1 << (bs - 1).bit_length()))
 
 
-def _segment_ranges(state) -> tuple[list[int], int]:
-    """A request's pool ranges (RANGE_FIELDS without ``so``: segment 0, the adopted prefix's, then segment 1, its
-    own; segment 0 empty without an adopted prefix) and its fine clusters; ([], 0) while its index is not in the
-    pools (a shared segment comes only with an own one)."""
-    b = state.pool
-    if b is None:
-        return [], 0
-    if state.shared is None:
-        return [0, 0, 0, 0, 0, 0, b.co, b.P, b.fo, b.L, b.ko, b.M], b.L
-    a = state.shared[1]
-    return [a.co, a.P, a.fo, a.L, a.ko, a.M, b.co, b.P, b.fo, b.L, b.ko, b.M], a.L + b.L
+def _index_ranges(state, scratch_at: int) -> RequestRanges | None:
+    """A request's pool ranges (segment 0, the adopted prefix's, empty without one; segment 1, its own) with its
+    scratch rows from ``scratch_at``; None while its index is not in the pools (a shared segment comes only with an
+    own one)."""
+    if state.pool is None:
+        return None
+    prefix = state.shared.ranges.segment() if state.shared is not None else Segment()
+    return RequestRanges(prefix, state.pool.segment(), scratch_at)
 
 
 class PooledDecode:
@@ -156,25 +173,25 @@ class PooledDecode:
     def _held_row(self, state) -> int | None:
         """The list row whose lists ``state`` holds in this decoder; None if its lists are elsewhere or gone."""
         kept = state.lists
-        return kept[1] if kept is not None and kept[0] is self and self.owner[kept[1]] is state else None
+        return kept.row if kept is not None and kept.decoder is self and self.owner[kept.row] is state else None
 
     def _ahead_row(self, state, S: int, batch: set[int]) -> tuple[int, int | None]:
         """select_ahead: (list row, length when its lists were selected, None if they were not) of a request at
         length ``S``; ``state.lists`` then names the row and no selection yet (``prepare`` sets it once placed)."""
         r = self._held_row(state)
         if r is not None:
-            selected = state.lists[2]
+            selected = state.lists.selected_at
             selected = selected if selected is not None and selected < S else None
         else:
             r, selected = self._claim(state, batch), None
-        state.lists = (self, r, None)
+        state.lists = KeptLists(self, r, None)
         return r, selected
 
     def first_steps(self, states, seq_lens: list[int]) -> bool:
         """select_ahead: whether a batch holds a request past the budget whose index is placed and that has no lists
         from a step before here (its first decode step, or its first back from another decoder's buffers)."""
         needs = self.manager.needs_sparse
-        return any(st is not None and needs(S) and st.segments and (self._held_row(st) is None or st.lists[2] is None)
+        return any(st is not None and needs(S) and st.segments and (self._held_row(st) is None or st.lists.selected_at is None)
                    for st, S in zip(states, seq_lens))
 
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
@@ -185,9 +202,9 @@ class PooledDecode:
         r = self._held_row(state)
         if r is None:
             r = self._claim(state, batch)
-        elif S - state.lists[2] < self.every:
-            return r, 0, state.lists[2]
-        state.lists = (self, r, S)
+        elif S - state.lists.selected_at < self.every:
+            return r, 0, state.lists.selected_at
+        state.lists = KeptLists(self, r, S)
         return r, 1, S
 
     def _claim(self, state, batch: set[int]) -> int:
@@ -227,10 +244,9 @@ class PooledDecode:
         else:
             for state in states:
                 state.lists = None
-        m.stats["decode_prepare_s"] += time.perf_counter() - t0
+        m.stats.decode_prepare_s += time.perf_counter() - t0
 
-    def _table(self, rows, seq_lens, states) -> list[list[int]]:
-        """Per batch row: RANGE_FIELDS, then EXTRA."""
+    def _table(self, rows, seq_lens, states) -> list[StepRow]:
         m = self.manager
         every = self.every
         table = []
@@ -239,12 +255,11 @@ class PooledDecode:
         direct_lens = []
         for i, (row, S, state) in enumerate(zip(rows, seq_lens, states)):
             list_row, fresh, tail_from = (i, 1, S) if every == 1 else self._list_row(state, S, i, batch)
-            ranges, need = _segment_ranges(state)
-            indexed = state.pool is not None
-            placed = indexed and (not fresh or so + need <= room)
+            ranges = _index_ranges(state, so)
+            indexed = ranges is not None
+            placed = indexed and (not fresh or so + ranges.fines <= room)
             if placed and fresh:
-                ranges.append(so)
-                so += need
+                so += ranges.fines
             else:
                 ranges = UNPLACED
             direct = m.needs_sparse(S) and not placed   # past the budget without its index: the whole sequence
@@ -253,58 +268,57 @@ class PooledDecode:
                 if indexed and fresh:
                     self._scratch_full()
                 if state.lists is not None:   # its lists are not written this step: it keeps the row, selects
-                    state.lists = (self, list_row, -every)   # at the next step
-            table.append(ranges + [row, S, self.cut, direct, fresh and not direct, list_row, tail_from])
+                    state.lists = KeptLists(self, list_row, -every)   # at the next step
+            table.append(StepRow(ranges, row, S, self.cut, direct, fresh and not direct, list_row, tail_from))
             reused += not (fresh or direct)
         self._count(seq_lens, direct_lens, reused)
-        m.stats["dense_fallback_steps"] += len(direct_lens)
+        m.stats.dense_fallback_steps += len(direct_lens)
         return table
 
-    def _table_ahead(self, rows, seq_lens, states, eager: bool) -> list[list[int]]:
+    def _table_ahead(self, rows, seq_lens, states, eager: bool) -> list[StepRow]:
         """select_ahead: each row attends to the lists selected at its step before (else its whole sequence) and
         selects for its next step where its index (or a length within the budget) allows. An eager step holding a
         first decode step (``first_steps``) runs in lychee's order: every row that selects attends to the lists it
         selects now."""
         m = self.manager
         self.own_order = eager and self.first_steps(states, seq_lens)
-        m.stats["own_order_steps"] += self.own_order
+        m.stats.own_order_steps += self.own_order
         table = []
         so, room = 0, self.scratch[0].shape[1]
         batch = {id(st) for st in states}
         direct_lens = []
         for row, S, state in zip(rows, seq_lens, states):
             list_row, selected = self._ahead_row(state, S, batch)
-            ranges, need = _segment_ranges(state)
-            indexed = state.pool is not None
-            placed = indexed and so + need <= room
+            ranges = _index_ranges(state, so)
+            indexed = ranges is not None
+            placed = indexed and so + ranges.fines <= room
             if placed:
-                ranges.append(so)
-                so += need
+                so += ranges.fines
             else:
                 ranges = UNPLACED
                 if indexed:
                     self._scratch_full()
             selects = placed or not m.needs_sparse(S)   # within the budget its list is every token
             if selects:
-                state.lists = (self, list_row, S)
+                state.lists = KeptLists(self, list_row, S)
                 if self.own_order:   # attends to the lists it selects now
                     selected = S
             else:   # past the budget without its index: its next step attends to the whole sequence
-                m.stats["dense_fallback_steps"] += 1
+                m.stats.dense_fallback_steps += 1
             if selected is None:
                 direct_lens.append(S)
-                m.stats["unselected_steps"] += m.needs_sparse(S)
-            table.append(ranges + [row, S, self.retrieve, selected is None, selects, list_row,
-                                   S if selected is None else selected])
+                m.stats.unselected_steps += m.needs_sparse(S)
+            table.append(StepRow(ranges, row, S, self.retrieve, selected is None, selects, list_row,
+                                 S if selected is None else selected))
         self._count(seq_lens, direct_lens, 0)
         return table
 
-    def _upload(self, table: list[list[int]], bs: int, padded_bs: int, r2t_shape) -> None:
-        """The step's table (one list per batch row), padded to the captured batch size, to the device."""
-        table += [PADDING_ROW] * (padded_bs - bs)
+    def _upload(self, table: list[StepRow], bs: int, padded_bs: int, r2t_shape) -> None:
+        """The step's table, padded to the captured batch size, to the device."""
+        table = [r.column() for r in table] + [PADDING_ROW] * (padded_bs - bs)
         fresh = self.staging.fresh
         view = self.staging.host()
-        self.manager.stats["upload_fresh_buffers"] += self.staging.fresh - fresh
+        self.manager.stats.upload_fresh_buffers += self.staging.fresh - fresh
         view.T[:padded_bs] = table   # one numpy write, transposed: the buffer holds each field for every row
         if DEBUG:
             check_table(view[:, :padded_bs], bs, self.manager.pools.capacity, self.scratch[0].shape[1], r2t_shape)
@@ -324,20 +338,20 @@ class PooledDecode:
         for S in direct_lens:   # a direct row attends to its whole sequence and scores none
             attended += S - min(S, budget)
             scored -= min(S, cap)
-        m.stats["context_tokens"] += context
-        m.stats["attended_tokens"] += attended
+        m.stats.context_tokens += context
+        m.stats.attended_tokens += attended
         if cap:
-            m.stats["scored_tokens"] += scored
-        m.stats["reused_list_steps"] += reused
+            m.stats.scored_tokens += scored
+        m.stats.reused_list_steps += reused
 
     def _scratch_full(self) -> None:
         """A request whose index is in the pools found no room in the step's selection scratch: it decodes densely
         this step (never on less context)."""
         m = self.manager
-        if not m.stats["scratch_full_steps"]:
+        if not m.stats.scratch_full_steps:
             logger.warning("sparse-kv: a decode batch's fine clusters outgrew the selection scratch; the requests "
                            "past it decode densely that step (counted in scratch_full_steps)")
-        m.stats["scratch_full_steps"] += 1
+        m.stats.scratch_full_steps += 1
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
@@ -414,16 +428,15 @@ class PooledDecode:
 def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> None:
     """Debug mode: every batch row's segments lie inside the pools and its scratch rows inside the scratch, its
     request row and length inside req_to_token; scratch rows of two batch rows never overlap."""
-    f = dict(zip(RANGE_FIELDS, table))
-    rows, seq, _, _, fresh = table[NR:NR + 5]
+    steps = [StepRow(r, *extra) for r, extra in zip(batch_ranges(table, bs), table[NR:, :bs].T.tolist())]
     end = 0
-    for i in range(bs):
-        for s in "01":
-            assert (f["co" + s][i] + f["P" + s][i] <= cap.coarse and f["fo" + s][i] + f["L" + s][i] <= cap.fine
-                    and f["ko" + s][i] + f["M" + s][i] <= cap.chunks), (i, table)
-        L = f["L0"][i] + f["L1"][i]
-        assert L == 0 or f["so"][i] >= end, ("overlapping scratch rows", i)
-        end = max(end, f["so"][i] + L)
+    for i, step in enumerate(steps):
+        r = step.ranges
+        for seg in (r.prefix, r.own):
+            assert (seg.coarse_at + seg.coarse <= cap.coarse and seg.fine_at + seg.fine <= cap.fine
+                    and seg.chunk_at + seg.chunks <= cap.chunks), (i, step)
+        assert r.fines == 0 or r.scratch_at >= end, ("overlapping scratch rows", i)
+        end = max(end, r.scratch_at + r.fines)
         assert end <= scratch_rows, ("scratch rows", i)
-        assert 0 <= rows[i] < req_to_token_shape[0] and 0 < seq[i] <= req_to_token_shape[1], (i, rows[i], seq[i])
-        assert fresh[i] or not f["M0"][i] + f["M1"][i], ("a row with an index that does not select", i)
+        assert 0 <= step.row < req_to_token_shape[0] and 0 < step.seq <= req_to_token_shape[1], (i, step)
+        assert step.fresh or not r.prefix.chunks + r.own.chunks, ("a row with an index that does not select", i)
