@@ -2,7 +2,7 @@
 from ``bench/results`` (or, for index memory, from the pools' sizing), so the table cannot drift from the results the
 targets tables below it read. ``python -m bench.update_readme`` writes it; ``python -m bench.glance`` prints it.
 
-A cell names its commit, and its card where that is not an H200; ``bench/RESULTS.md`` has every run with its card.
+A cell names its commit, and its card where that is not an H200; ``docs/RESULTS.md`` has every run with its card.
 """
 
 from __future__ import annotations

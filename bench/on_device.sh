@@ -4,14 +4,10 @@
 #   (tests: on a fresh machine the whole suite outlasts a call, FlashInfer's first builds and the stress tests'
 #    servers included: send `tests tests --ignore tests/test_stress.py`, then `tests tests/test_stress.py`)
 #   bash bench/on_device.sh serve NAME "lychee dense" shared 32768 # bench.gpu_serving into $OUT/NAME.json
-#   bash bench/on_device.sh breakdown NAME --batches 1 16 --parts 32 128  # bench.selection_breakdown, $OUT/NAME.json
+#   bash bench/on_device.sh kernels NAME [FLAGS]                   # bench.bench_kernels into $OUT/NAME.json
 #   bash bench/on_device.sh fidelity NAME 16000 "lychee-ahead off quest@512"  # bench.fidelity into $OUT/NAME.json
-#   bash bench/on_device.sh profile NAME --methods lychee dense --batch 1 --prefix 126000  # bench.serving_profile
-#   BASE=DIR bash bench/on_device.sh host NAME   # bench.host_prepare into $OUT/NAME.json, first with DIR's files
-#   bash bench/on_device.sh tiles NAME [--context 126000 ...]  # bench.tile_sweep into $OUT/NAME.json
-#   (host, breakdown: DIR, an untracked folder of the tree, holds older versions of some files at their tree paths,
-#    e.g. DIR/sgl_sparsekv/index_pool.py; they run first, into $OUT/NAME_base.json (host: NAME_base1), then this
-#    tree's (host: then both again), so one call compares them on one card (host: and sees its spread))
+#   BASE=REV bash bench/on_device.sh serve ...   # the same, first at commit REV (a worktree in /tmp, installed in
+#    this tree's place) into $OUT/NAME_base.json, then this tree's: one call compares two commits on one card
 #   (fidelity: real Qwen2.5-Coder-0.5B, or the model MODEL names (smollm2), 50 samples per task at budget 1024 unless
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
@@ -32,9 +28,8 @@ set -uo pipefail
 source .gpu-bundle/setup.sh > /dev/null
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,uuid --format=csv,noheader | tee "$OUT/gpu.txt"
-swap() {   # exchange the files under BASE with the tree's
-  (cd "$BASE" && find . -type f) | while read -r f; do
-    cp "$f" /tmp/base_swap && cp "$BASE/$f" "$f" && cp /tmp/base_swap "$BASE/$f"; done; }
+install() {   # the plugin the servers load: the checkout at $1, editable
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e "$1" > /dev/null; }
 case "$1" in
   tests)   # further words go to pytest in place of "tests": split the suite over calls on a fresh machine
     shift
@@ -44,39 +39,28 @@ case "$1" in
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
     resume=(); [ -f resume_s.json ] && resume=(--resume resume_s.json)
-    export SPARSEKV_LOG_COMPILES="$OUT/$name.compiles.jsonl"   # each Triton compile of the sparse servers
-    # shellcheck disable=SC2086  # METHODS and the workload are word lists
-    timeout 580 python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$name.json" --methods $methods \
-      --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15
-    if [ -f "$SPARSEKV_LOG_COMPILES" ]; then
-      python3 -m sgl_sparsekv.compile_log "$SPARSEKV_LOG_COMPILES" | tail -8
+    serve_at() {   # $1: the checkout whose plugin serves, $2: the result's name
+      export SPARSEKV_LOG_COMPILES="$OUT/$2.compiles.jsonl"   # each Triton compile of the sparse servers
+      # shellcheck disable=SC2086  # METHODS and the workload are word lists
+      (cd "$1" && timeout "$limit" python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$2.json" --methods $methods \
+        --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15)
+      if [ -f "$SPARSEKV_LOG_COMPILES" ]; then
+        python3 -m sgl_sparsekv.compile_log "$SPARSEKV_LOG_COMPILES" | tail -8
+      fi; }
+    limit=580
+    if [ -n "${BASE:-}" ]; then
+      limit=285
+      rm -rf /tmp/base && git worktree add -f --detach /tmp/base "$BASE" > /dev/null && install /tmp/base
+      serve_at /tmp/base "${name}_base" "$@"
+      install .
     fi
+    serve_at . "$name" "$@"
     # FlashInfer's JIT builds of this call (minutes on a fresh machine, for whichever server starts first)
     find ~/.cache/flashinfer -name "*.so" -newer "$OUT/gpu.txt" -printf "%TT %f\n" 2>/dev/null | sort \
       | tee "$OUT/$name.flashinfer_built.txt" ;;
-  profile)
+  kernels)
     name=$2; shift 2
-    [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
-    timeout 560 python3 -m bench.serving_profile --model /tmp/m8b --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
-  host)
-    name=$2; shift 2
-    host_run() {   # its summary line, else the log's end
-      timeout 130 python3 -m bench.host_prepare --out "$OUT/$1.json" "${@:2}" > "/tmp/$1.log" 2>&1
-      grep -m1 '^{"device"' "/tmp/$1.log" || tail -5 "/tmp/$1.log"; }
-    for turn in 1 2; do
-      if [ -n "${BASE:-}" ]; then swap; host_run "${name}_base$turn" "$@"; swap; fi
-      host_run "$name$turn" "$@"
-    done ;;
-  tiles)
-    name=$2; shift 2
-    timeout 560 python3 -m bench.tile_sweep --out "$OUT/$name.json" "$@" 2>&1 | tail -15 ;;
-  breakdown)
-    name=$2; shift 2
-    limit=560
-    if [ -n "${BASE:-}" ]; then
-      limit=270; swap; timeout $limit python3 -m bench.selection_breakdown --out "$OUT/${name}_base.json" "$@" 2>&1 | tail -20
-      swap; fi
-    timeout $limit python3 -m bench.selection_breakdown --out "$OUT/$name.json" "$@" 2>&1 | tail -40 ;;
+    timeout 560 python3 -m bench.bench_kernels --out "$OUT/$name.json" "$@" 2>&1 | tail -25 ;;
   fidelity)
     name=$2; length=$3; methods=$4; shift 4
     model=${MODEL:-qwen2.5-coder-0.5b}
@@ -89,7 +73,6 @@ case "$1" in
       --deadline $(( left - 60 )) ${after[@]:+--after "${after[@]}"} "$@" 2>&1 | tail -30
     mkdir -p /tmp/fidelity && cp "$OUT/$name.json" /tmp/fidelity/ 2>/dev/null ;;   # for a later call's AFTER
   *) echo "usage: bash bench/on_device.sh tests [PYTEST ARGS] | serve NAME METHODS WORKLOAD [CONTEXTS...]" \
-          "| breakdown NAME [FLAGS] | fidelity NAME LENGTH METHODS [FLAGS] | profile NAME [FLAGS] | host NAME [FLAGS]" \
-          "| tiles NAME [FLAGS]" >&2
+          "| kernels NAME [FLAGS] | fidelity NAME LENGTH METHODS [FLAGS]" >&2
      exit 2 ;;
 esac

@@ -736,7 +736,7 @@ def compare_fidelity_table(path: Path) -> str:
 
 
 # the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
-# bench/RESULTS.md
+# docs/RESULTS.md
 LATEST = ("gpu_serving_h100_full.json", "gpu_serving_h200_fine_tiles_shared.json",
           "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json", "gpu_serving_h200_tpot64k.json",
           "gpu_serving_h200_ahead.json", "gpu_serving_h200_chain_tpot.json", "gpu_serving_h200_chain_shared.json",

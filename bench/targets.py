@@ -2,7 +2,7 @@
 
 Each row reads its measured values from ``bench/results`` (or, for index memory, from the pools' sizing in
 ``sgl_sparsekv.index_pool``), decides from them whether the target is met, and names the files; a miss carries its
-measured cause in one line (``bench/RESULTS.md`` says more). ``python -m bench.update_readme`` writes the two tables
+measured cause in one line (``docs/RESULTS.md`` says more). ``python -m bench.update_readme`` writes the two tables
 into the README; ``python -m bench.targets [targets10|targets11]`` prints them.
 """
 

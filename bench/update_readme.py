@@ -1,4 +1,4 @@
-"""Rewrite the generated tables (between their markers) from bench/results: every table in bench/RESULTS.md, the
+"""Rewrite the generated tables (between their markers) from bench/results: every table in docs/RESULTS.md, the
 latest ones (``bench.report --latest``), the opening summary and the at-a-glance table (``bench.glance``), the
 issues' targets (``bench.targets``) and the budget sweep (``bench.frontier --tables``) in the README."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (file, marker, the command printing its tables)
-TARGETS = (("bench/RESULTS.md", "results", ["bench.report"]), ("README.md", "latest", ["bench.report", "--latest"]),
+TARGETS = (("docs/RESULTS.md", "results", ["bench.report"]), ("README.md", "latest", ["bench.report", "--latest"]),
            ("README.md", "pays", ["bench.glance", "--pays"]), ("README.md", "glance", ["bench.glance"]),
            ("README.md", "targets10", ["bench.targets", "targets10"]),
            ("README.md", "targets11", ["bench.targets", "targets11"]),

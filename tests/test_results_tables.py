@@ -1,4 +1,4 @@
-"""The generated tables in the README and bench/RESULTS.md are what bench.report makes of the committed results:
+"""The generated tables in the README and docs/RESULTS.md are what bench.report makes of the committed results:
 a result committed without `python -m bench.update_readme` (or a table edited by hand) fails here."""
 
 import pytest
