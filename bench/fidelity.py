@@ -67,10 +67,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-ahead": ("lychee", {"select_ahead": True}),
            # both: select_ahead's step-before query, fine clusters ranked by their boxes (does box win back its loss?)
            "lychee-ahead-box-0.25": ("lychee", {"select_ahead": True, "fine_bound": "box"}),
-           # Quest's pages, ranked by Quest's bound, served through lychee's pools and CUDA graphs: 16-token chunks,
-           # each its own fine cluster, ranked by its key box at weight 1 (Quest's sum_i max(q_i lo_i, q_i hi_i)),
-           # every coarse unit expanded. The same pages as quest over the prompt (tests/test_fidelity_quick.py);
-           # tokens decoded past the recent window join the nearest box instead of pages of their own
+           # Quest's pages through lychee's config, as served before quest became a policy of the same lifecycle
+           # (SparseKVConfig.quest_policy): 16-token chunks, each its own fine cluster, ranked by its key box at
+           # weight 1, every coarse unit expanded; kept so its committed runs still name a method
            "quest-graphs": ("lychee", {"chunking": "fixed", "fine_bound": "box", "radius_weight": 1.0,
                                        "coarse_expand": 1024.0})}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
@@ -203,8 +202,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         method, extra = METHODS[name]
         cfg = None if method == "off" else {"token_budget": budget, **{
             k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
-        # quest selects per request outside a graph (patches/checks.py refuses it with CUDA graphs)
-        eager[name, budget] = bool(gpu_backend) and (method == "quest" or not cuda_graph)
+        eager[name, budget] = bool(gpu_backend) and not cuda_graph
         args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
         servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
 
@@ -267,8 +265,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
             with ThreadPoolExecutor(concurrency) as pool:
                 return score(*key, srv, pool), time.time() - t0 + srv.ready_s   # its start included, as below
 
-        # the eager servers first (quest), so the last wave is not one of them alone: at 16K a quest run took 160-206 s
-        # where lychee's took 102-108 (fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json)
+        # the eager servers first, so the last wave is not one of them alone: at 16K an eager quest run took 160-206
+        # s where lychee's took 102-108 (fidelity_qwen2.5-coder-0.5b_16k_structured_budgets_gpu.json)
         first_eager = dict(sorted(servers.items(), key=lambda item: not eager[item[0]]))
         for _, (run_, seconds) in alongside(first_eager, work, parallel, until=deadline):
             record(run_, seconds)

@@ -13,8 +13,8 @@ instance:
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
-Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-2, two chunks per fine cluster)
-over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One
+Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-2, two chunks per fine cluster;
+and quest, the same lifecycle with Quest's pages) over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One
 method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a method's
 measurements) to the result of an earlier call on the same machine.
 """
@@ -243,7 +243,7 @@ def summarize(res: dict) -> dict:
     if "dense" not in res:
         return res
     d = res["dense"]
-    for name in (n for n in VARIANTS if n != "lychee" and n in res):
+    for name in (n for n in SERVED if n != "lychee" and n in res):
         res[f"{name}_over_dense"] = {"tpot_bs1": tpot_ratios(d, res[name]),
                                      **{w: ratios(d[w], res[name][w]) for w in res[name] if w in WORKLOADS and w in d}}
     if "lychee" in res:
@@ -258,18 +258,23 @@ def summarize(res: dict) -> dict:
     return res
 
 
+# every served method but dense: (--sparse-kv method, its config beside the budget)
+SERVED = {**{name: ("lychee", cfg) for name, cfg in VARIANTS.items()}, "quest": ("quest", {})}
+
+
 def method_parser() -> argparse.ArgumentParser:
     """The arguments of a benchmark that serves the dummy model once per method."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *VARIANTS])
+    ap.add_argument("--methods", nargs="+", default=["dense", "lychee"], choices=["dense", *SERVED])
     return ap
 
 
 def method_server(a, name: str, server_args: list[str]) -> Server:
-    """The GPU server of method ``name`` (dense, lychee or a variant) at ``a.budget``, logging beside ``a.out``."""
-    method, cfg = ("off", None) if name == "dense" else ("lychee", {"token_budget": a.budget, **VARIANTS[name]})
+    """The GPU server of method ``name`` (dense, lychee, a variant or quest) at ``a.budget``, logging beside
+    ``a.out``."""
+    method, cfg = ("off", None) if name == "dense" else (SERVED[name][0], {"token_budget": a.budget, **SERVED[name][1]})
     return Server(a.model, method, cfg, extra=server_args, cpu=False, log_path=f"{a.out}.{name}.log", timeout=900)
 
 

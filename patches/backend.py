@@ -1,17 +1,12 @@
 """SparseKVAttnBackend: SGLang attention backend that wraps the configured one.
 
-Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinfer on GPU); after
-the last layer, lychee places each complete prompt's index (built from chunk keys pooled from the
-KV, or adopted from a cached prefix); quest summarizes its new pages per layer from the keys just
-written. Dense layers always decode on the wrapped backend.
-
-Sparse layers decode in one of two ways:
-- lychee: ``PooledDecode`` runs static-shape steps over the index pools, so decode is captured in
-  SGLang's CUDA graphs (Triton kernels on the GPU, their torch twins on the CPU). Requests within the
-  budget attend to all their tokens through the same steps.
-- quest (a baseline): per request, ``SparseKVManager.select`` gives a token mask and attention runs over it.
-An eager batch with no request past its budget goes to the wrapped backend, so short contexts behave
-exactly like ``--sparse-kv off``.
+Prefill/extend runs on the wrapped backend (torch_native on CPU, triton/flashinfer on GPU); after the last layer,
+each complete prompt's index is placed (built from chunk keys pooled from the KV, or adopted from a cached prefix).
+Dense layers always decode on the wrapped backend. Sparse layers decode through ``PooledDecode``, the one lifecycle
+of every method (lychee, quest, hybrid heads): static-shape steps over the index pools, so decode is captured in
+SGLang's CUDA graphs (Triton kernels on the GPU, their torch twins on the CPU). Requests within the budget attend
+to all their tokens through the same steps. An eager batch with no request past its budget goes to the wrapped
+backend, so short contexts behave exactly like ``--sparse-kv off``.
 """
 
 from __future__ import annotations
@@ -23,12 +18,10 @@ import time
 
 import torch
 
-from sgl_sparsekv.attend import dense_decode, sparse_decode
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.kernels.page_table import PageTableWriter
-from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention
-from sgl_sparsekv.manager import PoolPlan, SparseKVManager
+from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches import surface
 from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
@@ -39,7 +32,7 @@ logger = logging.getLogger("sgl_sparsekv")
 
 
 def _boundary_table(runner, cfg: SparseKVConfig) -> BoundaryTable | None:
-    if cfg.method != "lychee" or cfg.chunking != "structure":
+    if cfg.chunking != "structure":
         return None
     from sglang.srt.utils.hf_transformers.tokenizer import get_tokenizer
 
@@ -179,19 +172,17 @@ class SparseKVAttnBackend(AttentionBackend):
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1], kv_shard=shard,
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
-            # quest's summaries and lychee's chunk keys in bf16 on GPU; fp32 on CPU, where the twins run
-            summary_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
+            # chunk keys in bf16 on GPU, as the KV; fp32 on CPU, where the twins run
+            key_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
-        self.plan = PoolPlan()
         self.decode_sparse = False
         self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
-        self.pooled = self.active = self._big = None
+        self._big = None
         self.batch_reqs = None   # the requests of the batch being prepared, from note_batch_requests
         self.extend_rows = ([], [])   # the prefill's (request rows, prompt complete), for finish_extend
-        if self.manager.pools is not None:
-            self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
-            if self.pooled.side is not None:
-                join_after_forward(runner.model, self)
+        self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
+        if self.pooled.side is not None:
+            join_after_forward(runner.model, self)
         self._last_log = 0.0
         self.metrics = None   # PrometheusExport, set by the scheduler hook with --enable-metrics
         logger.info("sparse-kv: %s decoding over the %s backend, config %s", cfg.method,
@@ -205,7 +196,7 @@ class SparseKVAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
-        if self.pooled is not None and max_bs > self.pooled.max_bs:
+        if max_bs > self.pooled.max_bs:
             self.pooled = self.active = PooledDecode(self.manager, max_bs=max_bs, q_heads=self.q_heads)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -213,10 +204,9 @@ class SparseKVAttnBackend(AttentionBackend):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         bs = forward_batch.batch_size
         if in_capture:
-            if self.pooled is not None:   # quest never runs in a graph (checks.py refuses it)
-                self.active = self.pooled
-                self.pooled.fill_idle(bs)
-                self.decode_sparse = True
+            self.active = self.pooled
+            self.pooled.fill_idle(bs)
+            self.decode_sparse = True
         else:
             self._prepare(forward_batch, bs - (forward_batch.num_padding or 0), padded_bs=bs)
 
@@ -225,7 +215,7 @@ class SparseKVAttnBackend(AttentionBackend):
         request's first decode step past the budget runs eagerly, so that step selects with its own query instead
         of attending to its whole sequence. Host facts only: the batch's requests and ``seq_lens_cpu``."""
         reqs = self.batch_reqs
-        if self.pooled is None or not self.pooled.ahead or reqs is None or forward_batch.seq_lens_cpu is None:
+        if not self.pooled.ahead or reqs is None or forward_batch.seq_lens_cpu is None:
             return True
         states = [self.manager.states.get(r.req_pool_idx) for r in reqs]
         return not self.pooled.first_steps(states, forward_batch.seq_lens_cpu[:len(reqs)].tolist())
@@ -239,7 +229,6 @@ class SparseKVAttnBackend(AttentionBackend):
         self.decode_sparse = padded_bs is not None   # a captured graph runs the sparse steps whatever the lengths
         reqs, self.batch_reqs = self.batch_reqs, None
         if mode.is_idle():
-            self.plan = PoolPlan()
             return
         if reqs is not None and len(reqs) == bs:
             rows = [r.req_pool_idx for r in reqs]
@@ -253,8 +242,6 @@ class SparseKVAttnBackend(AttentionBackend):
         if mode.is_decode():
             sparse = any(map(self.manager.needs_sparse, seq_lens))
             self.decode_sparse |= sparse
-        if mode.is_decode() and self.pooled is not None:
-            self.plan = PoolPlan()
             self.active = self.pooled
             if bs > self.pooled.max_bs:   # an eager batch past the captured sizes: buffers of its own
                 if self._big is None or self._big.max_bs < bs:
@@ -263,17 +250,14 @@ class SparseKVAttnBackend(AttentionBackend):
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
                                 self.token_to_kv_pool.get_key_buffer, attends=self.decode_sparse,
                                 eager=padded_bs is None)
-        elif mode.is_decode():
-            self.plan = self.manager.prepare_decode(rows, seq_lens, req_to_token, tokens)
-        if mode.is_decode():
             if sparse:
                 self.manager.stats.sparse_steps += 1
             else:
                 self.manager.stats.dense_steps += 1
             self.export_metrics()
         else:
-            self.plan = self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens,
-                                                    req_to_token, tokens)
+            self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens, req_to_token,
+                                        tokens)
             # the prompt is complete when the batch reaches its last token (else a chunked prefill goes on)
             self.extend_rows = (rows, [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)])
             self._maybe_log()
@@ -291,7 +275,6 @@ class SparseKVAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ per layer
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        self.manager.pool_layer(layer.layer_id, self.token_to_kv_pool.get_key_buffer(layer.layer_id), self.plan)
         if layer.layer_id == self.manager.num_layers - 1:
             self.manager.finish_extend(*self.extend_rows, self.req_to_token_pool.req_to_token,
                                        self.token_to_kv_pool.get_key_buffer)
@@ -299,42 +282,7 @@ class SparseKVAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
-        if self.pooled is not None and self.decode_sparse:
-            return self._decode_pooled(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if not self.decode_sparse or not self.manager.is_sparse_layer(lid):
-            out = self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-            self.manager.pool_layer(lid, self.token_to_kv_pool.get_key_buffer(lid), self.plan)
-            return out
-        if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
-        k_buf = self.token_to_kv_pool.get_key_buffer(lid)
-        v_buf = self.token_to_kv_pool.get_value_buffer(lid)
-        self.manager.pool_layer(lid, k_buf, self.plan)
-
-        H = k_buf.shape[1]
-        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        rows = forward_batch.req_pool_indices.tolist()
-        req_to_token = self.req_to_token_pool.req_to_token
-        stats = self.manager.stats
-        masks, slot_rows = [], []
-        for i, row in enumerate(rows):
-            S = self.manager.states[row].seq_len
-            slot_rows.append(req_to_token[row, :S])
-            masks.append(self.manager.select(lid, row, q[i].view(H, -1, layer.qk_head_dim)))
-            stats.attended_tokens += S if masks[-1] is None else int(masks[-1].sum()) // H
-            stats.context_tokens += S
-        if self.use_triton:
-            out = self._attend_triton(q, k_buf, v_buf, slot_rows, masks, layer.scaling)
-        else:
-            out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
-            for i, (slots, mask) in enumerate(zip(slot_rows, masks)):
-                out[i] = (dense_decode(q[i], k_buf, v_buf, slots, layer.scaling) if mask is None
-                          else sparse_decode(q[i], k_buf, v_buf, slots, mask, layer.scaling))
-        return out.view(q.shape[0], -1)
-
-    def _decode_pooled(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs):
-        lid = layer.layer_id
-        if not self.manager.is_sparse_layer(lid):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
@@ -343,23 +291,6 @@ class SparseKVAttnBackend(AttentionBackend):
                                  self.token_to_kv_pool.get_value_buffer(lid), lid - self.cfg.dense_layers,
                                  self.req_to_token_pool.req_to_token, layer.scaling)
         return out.view(q.shape[0], -1)
-
-    def _attend_triton(self, q, k_buf, v_buf, slot_rows, masks, scale):
-        """One kernel launch for the batch: each (request, KV head) attends over its own slot list."""
-        H = k_buf.shape[1]
-        lists, counts = [], []
-        for slots, mask in zip(slot_rows, masks):
-            if mask is None:
-                lists.append(slots.repeat(H))
-                counts.append(torch.full((H,), len(slots), device=slots.device))
-            else:
-                _, pos = torch.nonzero(mask, as_tuple=True)   # row-major: grouped by head, positions ascending
-                lists.append(slots[pos])
-                counts.append(mask.sum(1))
-        indptr = torch.zeros(len(masks) * H + 1, dtype=torch.int32, device=q.device)
-        indptr[1:] = torch.cumsum(torch.cat(counts), 0)
-        indices = torch.cat(lists).to(torch.int32)
-        return sparse_decode_attention(q.contiguous(), k_buf, v_buf, indptr, indices, scale)
 
     # ------------------------------------------------------------------ delegated
     def get_cuda_graph_seq_len_fill_value(self):

@@ -100,8 +100,3 @@ def check_model(hf, cfg: SparseKVConfig, tp_size: int = 1) -> None:
 def check_runner(runner, cfg: SparseKVConfig) -> None:
     """The same model checks in the scheduler, on the config SGLang actually loaded."""
     check_model(runner.model_config.hf_config, cfg, tp_size=runner.tp_size)
-    graphs = runner.server_args.cuda_graph_config
-    decode_graphs = graphs is not None and graphs.decode.backend != "disabled"
-    if cfg.method == "quest" and runner.device != "cpu" and decode_graphs:
-        raise ConfigError(f"--sparse-kv quest on {runner.device} is a baseline that decodes eagerly; "
-                          "add --disable-cuda-graph (lychee runs with CUDA graphs)")

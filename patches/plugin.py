@@ -35,8 +35,8 @@ def wrap_attention_backend(original, runner, *args, **kwargs):
 
 
 def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kwargs):
-    """Per-token bytes of the KV pool plus quest's unit summaries or lychee's index pools, so SGLang sizes the
-    KV pool with room for them (they are allocated at startup, after the KV pool)."""
+    """Per-token bytes of the KV pool plus the index pools, so SGLang sizes the KV pool with room for them (they
+    are allocated at startup, after the KV pool)."""
     cfg = flags.config_of(runner.server_args)
     if not cfg.enabled or runner.is_draft_worker:
         return cell_size
@@ -45,18 +45,16 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
     from sgl_sparsekv.manager import bytes_per_token
 
     mc = runner.model_config
-    extra = bytes_per_token(cfg, num_layers, mc.get_num_kv_heads(get_attention_tp_size()), mc.head_dim,
-                            summary_bytes=4 if runner.device == "cpu" else 2)   # the backend's summary dtype
-    logger.info("sparse-kv: %d bytes per KV slot for unit summaries or index pools (KV itself: %d)", extra, cell_size)
-    if cfg.method == "lychee":
-        from sgl_sparsekv.index_cache import CACHE_BYTES
+    extra = bytes_per_token(cfg, num_layers, mc.get_num_kv_heads(get_attention_tp_size()), mc.head_dim)
+    logger.info("sparse-kv: %d bytes per KV slot for the index pools (KV itself: %d)", extra, cell_size)
+    from sgl_sparsekv.index_cache import CACHE_BYTES
 
-        configurator.sparse_kv_reserved_bytes = CACHE_BYTES   # read by reserve_index_cache
+    configurator.sparse_kv_reserved_bytes = CACHE_BYTES   # read by reserve_index_cache
     return cell_size + extra
 
 
 def reserve_index_cache(original, configurator, available_bytes, *args, **kwargs):
-    """SGLang sizes the KV pool from the bytes left after the weights: set lychee's index cache aside first."""
+    """SGLang sizes the KV pool from the bytes left after the weights: set the index cache aside first."""
     reserved = getattr(configurator, "sparse_kv_reserved_bytes", 0)
     if reserved:
         logger.info("sparse-kv: %.2f GiB of %.2f GiB set aside for cached indexes before sizing the KV pool",

@@ -37,7 +37,10 @@ class SparseKVConfig:
     # How query heads of one GQA group agree on one selection: "max" takes the largest
     # bound over the group's heads, "mean" scores with the group's mean query.
     gqa_reduce: str = "max"
-    # --- lychee ---
+    # GPU index pools hold indexes over this many times the KV slots (requests that adopt one cached prefix
+    # share one copy of its index); charged to SGLang's memory plan per KV slot.
+    index_pool_scale: float = 1.0
+    # --- lychee (quest fixes these: quest_policy) ---
     # "structure": boundary-aware cuts; "fixed": cuts every chunk_max tokens (ablation).
     chunking: str = "structure"
     chunk_min: int = 8
@@ -66,9 +69,6 @@ class SparseKVConfig:
     # half-width w; radius_weight 1 is Quest's bound), which keeps the single tokens a chunk's mean key averages
     # away. A box (bf16) costs 4 x head_dim bytes per fine cluster and KV head beside the centroid's head_dim.
     fine_bound: str = "ball"
-    # GPU index pools hold indexes over this many times the KV slots (requests that adopt one cached prefix
-    # share one copy of its index); charged to SGLang's memory plan per KV slot.
-    index_pool_scale: float = 1.0
     # Hybrid heads (LycheeDecode): "all-retrieval", "staggered-<share>", or a role map (sgl_sparsekv/head_roles.py)
     # naming the KV heads that select their own tokens; the others reuse the previous layer's selection.
     head_roles: str = "all-retrieval"
@@ -89,13 +89,26 @@ class SparseKVConfig:
     # Keys that only one method reads; giving them to the other is an error, not a no-op.
     _ONLY = {
         "lychee": ("chunking", "chunk_min", "chunk_max", "fine_cluster_size", "max_coarse", "kmeans_iters",
-                   "coarse_expand", "coarse_expand_min", "radius_weight", "fine_bound", "index_pool_scale",
-                   "head_roles", "rerank_factor", "select_every", "select_ahead"),
+                   "coarse_expand", "coarse_expand_min", "radius_weight", "fine_bound", "head_roles",
+                   "rerank_factor", "select_every", "select_ahead"),
         "quest": ("page_size",),
     }
 
     def __post_init__(self):
+        if self.method == "quest":
+            for key, value in self.quest_policy(self.page_size).items():
+                object.__setattr__(self, key, value)
         self.validate()
+
+    @staticmethod
+    def quest_policy(page_size: int) -> dict[str, Any]:
+        """Quest as a selection policy of the one decode lifecycle: the prompt is cut into fixed pages, each page is
+        its own fine cluster ranked by its key box with Quest's bound (``sum_i max(q_i lo_i, q_i hi_i)``, a box
+        bound with radius_weight 1), and the coarse level prunes nothing, so the cut takes the best
+        ``budget // page_size`` pages, ties by lower index, as Quest's top-k does. Pages cut at decode are grafted
+        into the nearest page's cluster, as lychee's chunks are."""
+        return {"chunking": "fixed", "chunk_min": page_size, "chunk_max": page_size, "fine_cluster_size": 1.0,
+                "fine_bound": "box", "radius_weight": 1.0, "coarse_expand": float("inf"), "coarse_expand_min": 0}
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +117,7 @@ class SparseKVConfig:
     @property
     def unit_max(self) -> int:
         """Largest retrieval unit (chunk or page) in tokens."""
-        return self.chunk_max if self.method == "lychee" else self.page_size
+        return self.chunk_max
 
     def expansion(self, budget):
         """The coarse expansion factor for a cut of ``budget`` retrieved tokens (an int, or a tensor of one budget

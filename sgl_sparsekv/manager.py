@@ -1,8 +1,10 @@
 """SparseKVManager: the whole sparse-decoding data path for one model replica, in plain torch.
 
-One orchestration for lychee on every device: each request's cluster index (every sparse layer) lives
-in the fixed index pools (``index_pool.py``), and decode runs static-shape steps over them, which a
-CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch twins on the CPU.
+One lifecycle for every method: each request's cluster index (every sparse layer) lives in the fixed index pools
+(``index_pool.py``), and decode runs static-shape steps over them, which a CUDA graph can hold. Only the ops differ:
+Triton kernels on the GPU, their torch twins on the CPU. A method is a selection policy of this lifecycle: lychee
+cuts structure-aware chunks and clusters them; quest cuts fixed pages, one fine cluster each, ranked by their key
+boxes (``SparseKVConfig.quest_policy``); hybrid heads choose which heads select (``head_roles``).
 
     prefill  -> prepare_extend: cut the request's new tokens into units, reuse the prefix's units
              -> finish_extend:  after the last layer, place the index of every request whose prompt is
@@ -16,17 +18,15 @@ CUDA graph can hold. Only the ops differ: Triton kernels on the GPU, their torch
     free     -> request_freed / slots_freed: deferred, applied at the next batch; a finished request
                 leaves its grafted index in the IndexCache for the next turn or fork
 
-Lychee stores no per-chunk summary: a chunk's key (its L2-normalized mean key, per sparse layer and KV head) is
-computed from the KV pool when a build or a graft needs it (``chunk_keys``), and only the index keeps what it
-needs of it. Quest (a baseline) keeps page summaries (key min and max) in the unit store, written per layer as the
-prefill writes the keys (``pool_layer``), and selects per request (``select``).
+No unit keeps a summary: a chunk's key (its L2-normalized mean key, per sparse layer and KV head, and with fine
+boxes its keys' min and max) is computed from the KV pool when a build or a graft needs it (``chunk_keys``), and
+only the index keeps what it needs of it.
 
 A decode step never waits for the GPU: request rows, lengths and token ids come from the host (the
 scheduler's requests), token spans are gathered from ``req_to_token`` on the device, and the key slots
 of units cut at decode are gathered with the next graft's chunks and come back one step after it
-(``transfer.LateRead``); quest asks for them at every step. A prefill does not wait either: it asks for its
-units' key slots in its own step, and the next prefill (the first that could hit them in the radix cache) waits
-for them.
+(``transfer.LateRead``). A prefill does not wait either: it asks for its units' key slots in its own step, and
+the next prefill (the first that could hit them in the radix cache) waits for them.
 
 It knows nothing of SGLang: the attention backend in ``sgl_sparsekv.patches`` feeds it batch
 facts (request pool rows, lengths, the requests' token ids) and the per-layer KV buffers.
@@ -54,9 +54,8 @@ from sgl_sparsekv.index import build_index_grouped, empty_index, precompile_buil
 from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
-from sgl_sparsekv.kernels.pool import pool_units, pool_units_layers, pool_units_ref
+from sgl_sparsekv.kernels.pool import pool_units_layers, pool_units_ref
 from sgl_sparsekv.pool_ops import graft_chunks_ref
-from sgl_sparsekv.select import select_pages, units_to_token_mask
 from sgl_sparsekv.stats import Counters
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.tensor_parallel import KVShard
@@ -82,7 +81,7 @@ class KeptLists(NamedTuple):
 
 @dataclass
 class RequestState:
-    """One live request: its unit chain (in position order) and its rows in the index pools (lychee)."""
+    """One live request: its unit chain (in position order) and its rows in the index pools."""
 
     units: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -94,7 +93,7 @@ class RequestState:
     # decodes densely (full context) and retries once a free changed the generation
     unplaced_gen: int | None = None
     row: int = -1   # the request's row in req_to_token (its key in ``SparseKVManager.states``)
-    # units cut at decode whose key slots nobody asked the device for yet (lychee asks at its grafts; a request
+    # units cut at decode whose key slots nobody asked the device for yet (asked for at the grafts; a request
     # that finishes before drops their keys: a later turn re-cuts those tokens, as it would past its cached index)
     unkeyed: list[int] = field(default_factory=list)
     lists: KeptLists | None = None
@@ -129,7 +128,7 @@ class PackedPlan(NamedTuple):
 class PoolPlan:
     """Token spans whose keys this forward pools: (output row, request row, start, end), whose KV slots are
     gathered from ``req_to_token`` on the device; and the (request row, position) of each new unit's key slot,
-    gathered in the same pass. The output row is a unit id (quest's store) or a row of ``chunk_keys``.
+    gathered in the same pass. The output row is a row of ``chunk_keys``.
     ``payload``: more integers for the step's kernels, uploaded with them."""
 
     req_to_token: torch.Tensor | None = None
@@ -164,34 +163,21 @@ class PoolPlan:
 logger = logging.getLogger("sgl_sparsekv")
 
 
-def unit_min(cfg: SparseKVConfig) -> int:
-    return cfg.chunk_min if cfg.method == "lychee" else cfg.page_size
-
-
-def vecs_per_unit(cfg: SparseKVConfig) -> int:
-    """Summary vectors the unit store keeps per unit: quest's key min and max; none for lychee (its chunk keys
-    come from the KV when needed)."""
-    return 0 if cfg.method == "lychee" else 2
-
-
-def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                    summary_bytes: int = 2) -> int:
-    """Memory the manager needs per KV slot (quest's unit summaries, lychee's index pools)."""
+def bytes_per_token(cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Memory the manager needs per KV slot: its index pools."""
     layers = max(0, num_layers - cfg.dense_layers)
-    per = layers * num_kv_heads * vecs_per_unit(cfg) * head_dim * summary_bytes / unit_min(cfg)
-    if cfg.method == "lychee":
-        per += pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim, cfg.fine_bound == "box") / (1 << 20)
+    per = pool_capacity(cfg, 1 << 20).nbytes(layers, num_kv_heads, head_dim, cfg.fine_bound == "box") / (1 << 20)
     return int(per * 1.01) + 1   # 1% for the few fixed rows the capacities add
 
 
 class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
-                 summary_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None,
+                 key_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None,
                  kv_shard: KVShard | None = None):
-        """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins. ``summary_dtype``:
-        quest's page summaries and lychee's chunk keys. ``kv_shard``: which of the model's KV heads the
-        ``num_kv_heads`` are (under tensor parallelism); all of them by default."""
+        """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins. ``key_dtype``: the chunk
+        keys' (the KV's on the GPU). ``kv_shard``: which of the model's KV heads the ``num_kv_heads`` are (under
+        tensor parallelism); all of them by default."""
         assert cfg.enabled
         self.cfg = cfg
         self.num_layers = num_layers
@@ -199,26 +185,19 @@ class SparseKVManager:
         assert self.kv_shard.count == num_kv_heads, (self.kv_shard, num_kv_heads)
         self.device = torch.device(device)
         self.use_kernels = self.device.type == "cuda" if use_kernels is None else use_kernels
-        pooled = cfg.method == "lychee"
-        if cfg.method == "lychee":
-            self.chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, boundary_table)
-        else:
-            self.chunker = Chunker("fixed", cfg.page_size, cfg.page_size, None)
+        self.chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max,
+                               boundary_table if cfg.chunking == "structure" else None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
-        self.key_dtype = summary_dtype
+        self.key_dtype = key_dtype
         self.stats = Counters()
-        self.store = UnitStore(num_slots, sparse_layers, num_kv_heads, head_dim, vecs_per_unit(cfg), self.device,
-                               capacity=num_slots // unit_min(cfg) + 64 if pooled else 1024,
-                               dtype=summary_dtype, stats=self.stats)
-        self.pools = None
+        self.store = UnitStore(num_slots, capacity=num_slots // cfg.chunk_min + 64, stats=self.stats)
         self.states: dict[int, RequestState] = {}
         self.index_cache = IndexCache(self.store)
-        if pooled:
-            self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim,
-                                    self.device, box=cfg.fine_bound == "box")
-            if self.use_kernels:
-                precompile_graft(self.pools, self.key_dtype)
-                self._precompile_build()
+        self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim, self.device,
+                                box=cfg.fine_bound == "box")
+        if self.use_kernels:
+            precompile_graft(self.pools, self.key_dtype)
+            self._precompile_build()
         self._lock = threading.Lock()
         self._freed_reqs: list[int] = []
         self._freed_slots: list[torch.Tensor] = []
@@ -323,16 +302,6 @@ class SparseKVManager:
         self._read_keys(self._ask_keys(states, plan), plan)
         return plan
 
-    def prepare_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                       tokens: list) -> PoolPlan:
-        """tokens: per request its token ids known on the host (under overlap scheduling the newest may not be
-        yet); units are cut from the first ``seq_len - 1`` (keys written by earlier steps). Never reads the
-        device: the key slots of the units cut here come back one step late."""
-        self.apply_frees(wait=False)
-        plan, states, _, _ = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
-        self._read_keys(self._ask_keys(states, plan), plan)
-        return plan
-
     def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                     tokens: list) -> tuple[PoolPlan, list[RequestState], list[RequestState], int]:
         """The step's cuts, in one pass over the batch that also finds what the pooled path must do (a served
@@ -396,14 +365,12 @@ class SparseKVManager:
             a, b = start + prev, start + end
             uid = self.store.add_unkeyed(a, b)
             state.unkeyed.append(uid)
-            if self.store.summary is not None:   # quest pools its units' summaries
-                plan.add(uid, row, a, b)
             state.units.append(uid)
             state.starts.append(a)
             state.ends.append(b)
             prev = end
 
-    # ------------------------------------------------------------------ lychee decode over the index pools
+    # ------------------------------------------------------------------ decode over the index pools
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
                               tokens: list, k_buffers) -> list[RequestState]:
         """Everything a decode step needs before its (graph-captured) layers run; the requests' states, which name
@@ -442,9 +409,7 @@ class SparseKVManager:
                       k_buffers) -> None:
         """After the last layer of a prefill: place the index of every request whose prompt is complete, so
         its first decode step finds it in the pools (a k-means never runs inside a decode step)."""
-        if self.pools is not None:
-            self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done], req_to_token,
-                        k_buffers)
+        self._place([self.states[i] for i, done in zip(req_pool_indices, complete) if done], req_to_token, k_buffers)
 
     def chunk_keys(self, plan: PoolPlan, k_buffers) -> torch.Tensor:
         """[sparse layers, spans, H, vecs, d]: the L2-normalized mean key of each of the plan's spans (output rows 0,
@@ -630,35 +595,6 @@ class SparseKVManager:
     def needs_sparse(self, seq_len: int) -> bool:
         return seq_len > self.cfg.token_budget
 
-    def pool_layer(self, layer_id: int, k_buffer: torch.Tensor, plan: PoolPlan) -> None:
-        """Quest: summaries of the plan's new units from this layer's keys (already written to the pool)."""
-        if not plan.spans or not self.is_sparse_layer(layer_id):
-            return
-        p = plan.packed(self.device)
-        ids, slots, indptr = p.ids, p.token_slots, p.indptr
-        summarize = pool_units if self.use_kernels else pool_units_ref
-        summary = summarize(k_buffer, slots, indptr, self.cfg.method == "quest")   # [U, H, d] or [U, H, 2, d]
-        l = layer_id - self.cfg.dense_layers
-        self.store.summary[l, ids] = summary.view(len(ids), *self.store.shape).to(self.store.dtype)
-
-    def select(self, layer_id: int, req_pool_idx: int, q: torch.Tensor) -> torch.Tensor | None:
-        """Quest: bool [H, seq_len] of tokens to attend for one request; None means attend densely.
-
-        q: [H, G, d] the request's query heads grouped by KV head.
-        """
-        state = self.states[req_pool_idx]
-        S, cfg = state.seq_len, self.cfg
-        if not self.is_sparse_layer(layer_id) or not self.needs_sparse(S):
-            return None
-        sink = min(cfg.sink_tokens, S)
-        recent = min(cfg.recent_window, S - sink)
-        starts = torch.tensor(state.starts, dtype=torch.int64, device=self.device)
-        ends = torch.tensor(state.ends, dtype=torch.int64, device=self.device)
-        summ = self.store.summary[layer_id - cfg.dense_layers, state.units].to(torch.float32)   # [N, H, 2, d]
-        unit_sel = select_pages(q.to(torch.float32), summ[:, :, 0].transpose(0, 1), summ[:, :, 1].transpose(0, 1),
-                                cfg.token_budget - sink - recent, cfg.page_size, cfg.gqa_reduce)
-        return units_to_token_mask(unit_sel, starts, ends, S, sink, recent)
-
     def _lengths(self, state: RequestState) -> torch.Tensor:
         """Tokens per unit of a request's chain, on the device (numpy: thousands of ids)."""
         return to_device(torch.from_numpy(np.subtract(state.ends, state.starts)), self.device)
@@ -669,17 +605,14 @@ class SparseKVManager:
         out["live_units"] = self.store.live_units
         out["unit_capacity"] = self.store.capacity
         out["live_requests"] = len(self.states)
-        out["index_bytes"] = self.store.nbytes() + self.index_cache.nbytes()
-        if self.pools is not None:
-            out["index_bytes"] += self.pools.nbytes()
+        out["index_bytes"] = self.store.nbytes() + self.index_cache.nbytes() + self.pools.nbytes()
         out["cached_indexes"] = len(self.index_cache.entries)
         out["kv_heads"] = [self.kv_shard.start, self.kv_shard.start + self.kv_shard.count]
         # every unit reference is held by a KV slot, a live request or a cached index: anything else is a leak
         held = (self.store.keyed_units + self.store.unkeyed + sum(len(e.units) for e in self.index_cache.entries.values())
                 + sum(len(s.units) for s in self.states.values()) + sum(map(len, self._segment_chains.values())))
         out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
-        if self.pools is not None:
-            out["index_pools"] = self.pools.fill()
-            out["shared_segments"] = self.pools.shared_fill()
-            out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
+        out["index_pools"] = self.pools.fill()
+        out["shared_segments"] = self.pools.shared_fill()
+        out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
         return out

@@ -49,7 +49,7 @@ class Counters:
     build_chunks: int = _counter("Chunks clustered into built indexes.", export=False)
     extend_chunks: int = _counter("Chunks clustered past an adopted prefix.", export=False)
     grafts: int = _counter("Decoded chunks grafted into an index.")
-    units_built: int = _counter("Retrieval units (chunks, pages) summarized.")
+    units_built: int = _counter("Retrieval units (chunks, pages) cut.")
     units_reused: int = _counter("Retrieval units reused through the radix cache.")
     units_freed: int = _counter("Retrieval units freed with their KV slots.", export=False)
     # host seconds

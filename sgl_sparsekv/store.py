@@ -1,8 +1,7 @@
 """UnitStore: retrieval units (lychee chunks, quest pages), shared through the radix cache.
 
-A unit is a run of token positions ``[start, end)`` of some token sequence. It is recorded once
-(with, for quest, its summary per sparse layer and KV head: the key min and max; lychee computes a
-chunk's key from the KV when it needs one) and *keyed by the KV slot of the last token of its decision window* (position
+A unit is a run of token positions ``[start, end)`` of some token sequence. It is recorded once (its key is
+computed from the KV when one is needed) and *keyed by the KV slot of the last token of its decision window* (position
 ``start + lookahead - 1``, see ``Chunker.lookahead``). Requests that share a cached prefix share
 those slots, so a new request finds the prefix's units by reading the slots its radix hit gave
 it, without recomputing anything.
@@ -26,23 +25,14 @@ from sgl_sparsekv.stats import Counters
 
 
 class UnitStore:
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 vecs_per_unit: int, device: torch.device | str = "cpu", capacity: int = 1024,
-                 dtype: torch.dtype = torch.float32, stats: Counters | None = None):
-        self.device = torch.device(device)
-        self.shape = (num_kv_heads, vecs_per_unit, head_dim)
-        self.num_layers = num_layers
-        self.dtype = dtype
+    def __init__(self, num_slots: int, capacity: int = 1024, stats: Counters | None = None):
         # bookkeeping lives on the host in numpy (read element by element, and a request's thousands of units
-        # are retained and released at once: torch's per-element indexing cost tens of ms per 32K request);
-        # only summaries (``vecs_per_unit`` > 0) live on ``device``
+        # are retained and released at once: torch's per-element indexing cost tens of ms per 32K request)
         self.slot_unit = np.full(num_slots, -1, dtype=np.int64)
         self.capacity = 0
         self.unit_start = np.empty(0, dtype=np.int64)
         self.unit_end = np.empty(0, dtype=np.int64)
         self.refs = np.empty(0, dtype=np.int32)
-        self.summary = (torch.empty((num_layers, 0) + self.shape, dtype=dtype, device=self.device)
-                        if vecs_per_unit else None)
         self._free: list[int] = []
         self.unkeyed = 0   # units whose key slot is still on its way back from the device
         self.stats = Counters() if stats is None else stats   # its owner's (``units_*``)
@@ -57,10 +47,6 @@ class UnitStore:
         self.unit_start = np.concatenate([self.unit_start, np.zeros(pad, dtype=np.int64)])
         self.unit_end = np.concatenate([self.unit_end, np.zeros(pad, dtype=np.int64)])
         self.refs = np.concatenate([self.refs, np.zeros(pad, dtype=np.int32)])
-        if self.summary is not None:
-            summary = torch.zeros((self.num_layers, capacity) + self.shape, dtype=self.dtype, device=self.device)
-            summary[:, :old] = self.summary
-            self.summary = summary
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity
 
@@ -78,10 +64,7 @@ class UnitStore:
         return int((self.slot_unit >= 0).sum())
 
     def nbytes(self) -> int:
-        per_unit = 8 + 8 + 4
-        if self.summary is not None:
-            per_unit += self.summary[:, :1].numel() * self.summary.element_size()
-        return self.live_units * per_unit
+        return self.live_units * (8 + 8 + 4)
 
     # ------------------------------------------------------------------ units
     def add_unkeyed(self, start: int, end: int) -> int:
@@ -157,11 +140,7 @@ class UnitStore:
         """Every slot was freed (cache flush). Units still used by live requests keep their reference."""
         self.free_slots(torch.from_numpy(np.flatnonzero(self.slot_unit >= 0)))
 
-    def snapshot(self) -> dict[tuple[int, int, int], torch.Tensor]:
-        """{(key slot, start, end): summary or None} of every keyed unit; for tests that compare with a rebuild."""
-        out = {}
-        for slot in np.flatnonzero(self.slot_unit >= 0).tolist():
-            uid = int(self.slot_unit[slot])
-            out[(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))] = (
-                None if self.summary is None else self.summary[:, uid].clone())
-        return out
+    def snapshot(self) -> set[tuple[int, int, int]]:
+        """(key slot, start, end) of every keyed unit; for tests that compare with a rebuild."""
+        return {(slot, int(self.unit_start[uid]), int(self.unit_end[uid]))
+                for slot, uid in ((slot, int(self.slot_unit[slot])) for slot in np.flatnonzero(self.slot_unit >= 0))}

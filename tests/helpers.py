@@ -3,6 +3,7 @@
 import contextlib
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_sparsekv.index import ClusterIndex, graft
 
@@ -22,3 +23,23 @@ def sync_check(mode="error"):
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention for one request, each KV head over its own selected tokens (the spec the pooled path is
+    checked against).
+
+    q: [Hq, d]; slots: [S] KV slots by position; mask: [H, S] bool, True = attend -> [Hq, d]
+    """
+    H = mask.shape[0]
+    group = q.shape[0] // H
+    pos = torch.nonzero(mask.any(0)).flatten()           # union over heads
+    k = k_buffer[slots[pos]].movedim(0, 1)               # [H, U, d]
+    v = v_buffer[slots[pos]].movedim(0, 1)
+    if not (q.dtype == k.dtype == v.dtype):
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    m = mask[:, pos].repeat_interleave(group, dim=0)[:, None, :]  # [Hq, 1, U]
+    out = scaled_dot_product_attention(q[:, None].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                       attn_mask=m.unsqueeze(0), scale=scale, enable_gqa=group > 1)
+    return out[0, :, 0]

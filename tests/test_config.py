@@ -300,10 +300,10 @@ def test_surface_lists_every_hook():
         HookRegistry._hooks.update(saved)
 
 
-@pytest.mark.parametrize("method,reserved", [("lychee", True), ("quest", False)])
-def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method, reserved):
-    """Lychee's cached indexes count in SGLang's memory plan: charge_index_memory adds the pools per KV slot and
-    marks the cache's bytes, which reserve_index_cache takes off the memory the KV pool is sized from."""
+@pytest.mark.parametrize("method", ["lychee", "quest"])
+def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method):
+    """The cached indexes count in SGLang's memory plan: charge_index_memory adds the pools per KV slot and marks
+    the cache's bytes, which reserve_index_cache takes off the memory the KV pool is sized from."""
     import sglang.srt.layers.dp_attention as dp
     from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
 
@@ -322,7 +322,7 @@ def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method, reserv
                        DefaultPoolConfigurator.calculate_pool_sizes)
     available = 40 * CACHE_BYTES
     tokens = reserve_index_cache(original, conf, available, 1).max_total_num_tokens
-    assert tokens == (available - (CACHE_BYTES if reserved else 0)) // conf._cell_size
+    assert tokens == (available - CACHE_BYTES) // conf._cell_size
 
 
 def test_expansion_is_coarse_expand_raised_to_the_floor():

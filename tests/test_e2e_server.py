@@ -3,8 +3,7 @@
 Budget 256, so contexts of 1.5K-2.5K tokens really decode sparsely. Every check is deterministic: the
 plugin's counters, the radix cache's reuse, exact token equality below the budget (the same kernels
 run), and the state after traffic. Whether a 135M model's sparse answer to a long prompt matches its
-dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py, bench/passkey_table.py),
-not here, where one borderline greedy token would make CI flaky.
+dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py), not here, where one borderline greedy token would make CI flaky.
 """
 
 import time
@@ -210,8 +209,7 @@ def test_long_prompt_decodes_sparsely(sparse):
     # the two-stage selection scores the keys of up to rerank_factor x the budget per list and attends the budget
     scored = after["scored_tokens"] - before["scored_tokens"]
     assert (scored > attended) if out["rerank_factor"] > 1 else scored == 0
-    if method == "lychee":
-        assert after["index_builds"] + after["index_reused"] > before["index_builds"] + before["index_reused"]
+    assert after["index_builds"] + after["index_reused"] > before["index_builds"] + before["index_reused"]
 
 
 def test_idle_state_without_further_requests(sparse):
@@ -244,10 +242,9 @@ def test_fork_program_matches_dense_and_reuses_document(sparse, reference, smoll
     before, after = out["fork_stats"]
     doc, questions = fork_doc(smollm2_tokenizer)
     assert len(out["fork_answers"]) == len(questions)
-    if method == "lychee":
-        # the forks adopted the document's cluster index instead of clustering it once per fork
-        assert after["index_reused"] - before["index_reused"] >= len(questions)
-        assert after["index_builds"] == before["index_builds"]
+    # the forks adopted the document's cluster index instead of clustering it once per fork
+    assert after["index_reused"] - before["index_reused"] >= len(questions)
+    assert after["index_builds"] == before["index_builds"]
     n_doc_units = len(smollm2_tokenizer.encode(doc)) // 16
     # each fork's prefill found the document's units in the radix cache instead of rebuilding them
     assert after["units_reused"] - before["units_reused"] >= len(questions) * n_doc_units * 0.9
@@ -267,16 +264,15 @@ def test_shared_prefix_reuses_units(sparse, smollm2_tokenizer):
     assert s2["units_reused"] - s1["units_reused"] >= 0.95 * built_first
     assert s2["units_built"] - s1["units_built"] < 0.1 * built_first
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.9 * first["usage"]["prompt_tokens"]
-    if method == "lychee":
-        assert s2["index_reused"] - s1["index_reused"] == 1   # one index holds every sparse layer
-        assert s2["index_builds"] == s1["index_builds"]
+    assert s2["index_reused"] - s1["index_reused"] == 1   # one index holds every sparse layer
+    assert s2["index_builds"] == s1["index_builds"]
 
 
 def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
     """A finished turn's output stays in the radix cache; the next turn reuses the chunks grafted while
-    decoding it (a chat history is indexed once, not per turn). Quest keys every chunk it cuts at decode, so the next
-    turn reuses them all; lychee keys them with its grafts, so it reuses those up to the last graft and cuts the
-    chunks of the final recent window again (its cached index ends at the last grafted chunk anyway)."""
+    decoding it (a chat history is indexed once, not per turn). The chunks cut at decode are keyed with the grafts,
+    so the next turn reuses those up to the last graft and cuts the chunks of the final recent window again (the
+    cached index ends at the last grafted chunk anyway)."""
     method, srv, _ = sparse
     tok = smollm2_tokenizer
     prompt, _ = passkey(tok, 1500, 0.5, seed=8)
@@ -297,9 +293,6 @@ def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
     n_all_units = len(chunker.cuts(cached))
     assert n_all_units - n_prompt_units >= 6  # the output itself spans several units
     reused = s2["units_reused"] - s1["units_reused"]
-    if method == "lychee":
-        grafted = s1["grafts"] - s0["grafts"]   # the output's chunks that left the recent window
-        assert 4 <= grafted < n_all_units - n_prompt_units
-        assert reused >= n_prompt_units + grafted
-    else:
-        assert reused >= n_all_units
+    grafted = s1["grafts"] - s0["grafts"]   # the output's chunks that left the recent window
+    assert 4 <= grafted < n_all_units - n_prompt_units
+    assert reused >= n_prompt_units + grafted

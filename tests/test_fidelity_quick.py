@@ -426,12 +426,15 @@ def test_results_are_written_with_each_list_of_plain_values_on_one_line():
     assert '     "failed": [1, 4],' in text.splitlines() and ' "empty": [],' in text.splitlines()
 
 
+@pytest.mark.parametrize("name", ["quest", "quest-graphs"])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
 @pytest.mark.parametrize("budget", [16, 160, 1000])
-def test_quest_graphs_selects_the_pages_quest_selects(reduce, budget):
-    """bench.fidelity's quest-graphs (lychee's config that serves Quest through the pools and CUDA graphs): over
-    16-token chunks its index ranks every chunk by Quest's bound on the chunk's key box, so it selects the pages
-    Quest selects from the same (stored) key bounds, at any budget and GQA reduction."""
+def test_quest_policy_selects_the_pages_quest_selects(name, reduce, budget):
+    """quest, a selection policy of the one lifecycle (``SparseKVConfig.quest_policy``), and bench.fidelity's
+    quest-graphs (the lychee config that served Quest through the pools before quest did): over 16-token chunks the
+    index ranks every chunk by Quest's bound on the chunk's key box, so it selects the pages Quest selects (top
+    budget // page_size, ``select.select_pages``) from the same (stored) key bounds, at any budget and GQA
+    reduction."""
     import torch
     import torch.nn.functional as F
 
@@ -440,7 +443,7 @@ def test_quest_graphs_selects_the_pages_quest_selects(reduce, budget):
     from sgl_sparsekv.index import build_index
     from sgl_sparsekv.select import select_chunks, select_pages
 
-    method, extra = METHODS["quest-graphs"]
+    method, extra = METHODS[name]
     cfg = SparseKVConfig.from_method(method, extra)
     gen = torch.Generator().manual_seed(budget)
     H, M, d, G, page = 2, 200, 32, 4, SparseKVConfig.from_method("quest").page_size

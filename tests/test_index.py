@@ -215,7 +215,7 @@ def test_index_cache_adopts_shared_prefix_and_evicts_by_bytes():
     from sgl_sparsekv.index_cache import IndexCache
     from sgl_sparsekv.store import UnitStore
 
-    store = UnitStore(num_slots=64, num_layers=1, num_kv_heads=2, head_dim=16, vecs_per_unit=1)
+    store = UnitStore(num_slots=64)
     gen = torch.Generator().manual_seed(0)
     ids = [store.add_unkeyed(i * 10, i * 10 + 10) for i in range(12)]
     store.key(ids, list(range(12)))

@@ -11,9 +11,8 @@ import types
 import pytest
 import torch
 
-from helpers import graft_chunk, sync_check
+from helpers import graft_chunk, sparse_decode, sync_check
 from sgl_sparsekv import head_roles
-from sgl_sparsekv.attend import sparse_decode
 from sgl_sparsekv.index import ClusterIndex, build_index, recount, union
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
@@ -153,10 +152,10 @@ class TwinWorld(World):
     """World whose lychee decode steps are checked against the algorithm's spec (``select.select_chunks`` on
     the request's index as the pools hold it, after this step's grafts)."""
 
-    def __init__(self, seed, overrides=None, steps="graph"):
+    def __init__(self, seed, overrides=None, steps="graph", method="lychee"):
         """``steps`` (select_ahead): how decode steps run: "graph" (every one replays a CUDA graph: eager off),
         "eager" (none does: CUDA graphs off), or "served" (each asks the plugin's hook whether its graph may run)."""
-        super().__init__("lychee", seed, overrides)
+        super().__init__(method, seed, overrides)
         self.steps = steps
         self.own_steps = 0   # (request, sparse layer) attended with the lists it selected that step (select_ahead)
         self.roles = head_roles.resolve(self.cfg.head_roles, LAYERS, H, self.cfg.dense_layers)
@@ -318,10 +317,14 @@ class TwinWorld(World):
         return eager_first_steps(True, runner, batch)
 
 
-@pytest.mark.parametrize("seed,overrides", [(0, None), (1, None), (2, {"fine_bound": "box", "radius_weight": 1.0}),
-                                            (3, {"gqa_reduce": "mean"})])
-def test_pooled_decode_equals_spec_under_radix_history(seed, overrides):
-    w = TwinWorld(seed, overrides)
+@pytest.mark.parametrize("seed,overrides,method", [(0, None, "lychee"), (1, None, "lychee"),
+                                                   (2, {"fine_bound": "box", "radius_weight": 1.0}, "lychee"),
+                                                   (3, {"gqa_reduce": "mean"}, "lychee"), (4, None, "quest"),
+                                                   (5, {"gqa_reduce": "mean"}, "quest")])
+def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method):
+    """Every method decodes through the one lifecycle; each step's lists are the spec's (quest: its pages ranked
+    by Quest's bound, the best budget // page_size of them)."""
+    w = TwinWorld(seed, overrides, method=method)
     w.rng = random.Random(seed)
     w.random_history(14, 0.4, 12)
     for _ in range(6):
@@ -547,8 +550,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     r2t = torch.zeros(4, 40_000, dtype=torch.int32, device=dev)
-    ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16, use_kernels=False)
-    pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
+    ref = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, key_dtype=torch.bfloat16, use_kernels=False)
+    pooled = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, key_dtype=torch.bfloat16)
     rows, nxt, toks = [1, 2, 3], 1, []
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
@@ -655,29 +658,25 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     assert pooled.snapshot_stats()["unit_refs_unaccounted"] == 0
 
 
-@pytest.mark.parametrize("bound", ["ball", "box"])
-def test_memory_charged_to_sglang_matches_what_is_allocated(bound):
+@pytest.mark.parametrize("method,overrides", [("lychee", {"fine_bound": "ball"}), ("lychee", {"fine_bound": "box"}),
+                                              ("quest", {})])
+def test_memory_charged_to_sglang_matches_what_is_allocated(method, overrides):
     """bytes_per_token (added to SGLang's per-token KV cost) covers the pools really allocated, fine boxes
-    included; lychee keeps no unit summaries, quest keeps them and no pools."""
+    included (quest's pages are ranked by theirs)."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.index_pool import pool_capacity
     from sgl_sparsekv.manager import bytes_per_token
 
-    cfg = SparseKVConfig.from_method("lychee", {"dense_layers": 1, "fine_bound": bound})
+    cfg = SparseKVConfig.from_method(method, {"dense_layers": 1, **overrides})
     slots = 1 << 18
     m = SparseKVManager(cfg, LAYERS, H, D, slots, boundary_table=synthetic_table())
     pools = m.pools
     allocated = sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
-    assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D, bound == "box")
-    assert (pools.fbox.numel() > 0) == (bound == "box")
-    assert m.store.summary is None
+    box = cfg.fine_bound == "box"
+    assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D, box)
+    assert (pools.fbox.numel() > 0) == box == (overrides.get("fine_bound", "box") == "box")
     charged = bytes_per_token(cfg, LAYERS, H, D) * slots
     assert allocated <= charged <= 1.03 * allocated
-    quest = SparseKVConfig.from_method("quest", {"dense_layers": 1})
-    q = SparseKVManager(quest, LAYERS, H, D, slots, summary_dtype=torch.bfloat16)
-    q.store._grow(slots // quest.page_size)   # the store grows to one page per slot at most
-    summaries = q.store.summary.numel() * q.store.summary.element_size()
-    assert q.pools is None and summaries <= bytes_per_token(quest, LAYERS, H, D, summary_bytes=2) * slots
 
 
 def test_full_pools_decode_densely_until_placed(monkeypatch):
@@ -766,7 +765,7 @@ def test_dense_fallback_inside_cuda_graph(monkeypatch):
     k = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     v = [torch.randn(slots, Hk, d, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(layers)]
     r2t = torch.zeros(4, 30_000, dtype=torch.int32, device=dev)
-    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
+    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, key_dtype=torch.bfloat16)
     rows, nxt = [1, 2], 1
     for row, n in zip(rows, lens):
         r2t[row, :n] = torch.arange(nxt, nxt + n, dtype=torch.int32, device=dev)
@@ -869,7 +868,7 @@ def test_index_placement_compiles_nothing_after_startup(fine_bound):
     def variants():
         return [len(kern.device_caches[torch.cuda.current_device()][0]) for kern in kernels]
 
-    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, summary_dtype=torch.bfloat16)
+    m = SparseKVManager(cfg, layers, Hk, d, slots, device=dev, key_dtype=torch.bfloat16)
     at_start = variants()
     nxt = 1
     for row, n in enumerate(lens, start=1):

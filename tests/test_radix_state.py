@@ -55,7 +55,7 @@ class World:
         self.pos_emb = torch.randn(LAYERS, 1024, H, D, generator=g) * 0.3
         self.k = torch.zeros(LAYERS, SLOTS + 1, H, D)
         self.v = torch.randn(LAYERS, SLOTS + 1, H, D, generator=g)
-        self.decoder = PooledDecode(self.manager, max_bs=8, q_heads=2 * H, parts=2) if method == "lychee" else None
+        self.decoder = PooledDecode(self.manager, max_bs=8, q_heads=2 * H, parts=2)
         self.docs = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(100, 300))] for _ in range(3)]
         self.live = []
         self.unkeyed_at_finish = set()   # (key slot, start, end) of units a finished request left unkeyed
@@ -81,10 +81,7 @@ class World:
         req.decoded = 0
         for manager, heads in self.holders:
             k = [self.k[l][:, heads] for l in range(LAYERS)]
-            plan = manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
-            for l in range(LAYERS):
-                manager.pool_layer(l, k[l], plan)
-            # lychee places the prompt's index
+            manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
             manager.finish_extend([row], [end == len(req.tokens)], self.req_pool.req_to_token, k.__getitem__)
 
     def forward_decode(self, req):
@@ -96,22 +93,14 @@ class World:
         self.write_kv(slots, torch.tensor([tok]), torch.tensor([pos]))
         req.decoded = 1
         r2t, S, budget = self.req_pool.req_to_token, pos + 1, self.cfg.token_budget
-        if self.decoder is not None:
-            self.decoder.prepare([row], [S], 1, r2t, [req.tokens], lambda l: self.k[l])
-            for l in range(self.cfg.dense_layers, LAYERS):
-                self.decoder.attend(torch.randn(1, 2 * H, D), self.k[l], self.v[l], l - self.cfg.dense_layers, r2t,
-                                    D ** -0.5)
-                for h in range(H):   # every list holds the newest token, within the budget
-                    n = int(self.decoder.lens[h])
-                    assert n == min(S, budget) or (S > budget and n <= budget), (n, S)
-                    assert int(r2t[row, pos]) in self.decoder.windows[h * budget:h * budget + n].tolist()
-            return
-        plan = self.manager.prepare_decode([row], [S], r2t, [req.tokens])
-        for l in range(LAYERS):
-            self.manager.pool_layer(l, self.k[l], plan)
-            if l >= self.cfg.dense_layers and S > budget:
-                mask = self.manager.select(l, row, torch.randn(H, 2, D))
-                assert mask.shape == (H, S) and bool(mask[:, -1].all())
+        self.decoder.prepare([row], [S], 1, r2t, [req.tokens], lambda l: self.k[l])
+        for l in range(self.cfg.dense_layers, LAYERS):
+            self.decoder.attend(torch.randn(1, 2 * H, D), self.k[l], self.v[l], l - self.cfg.dense_layers, r2t,
+                                D ** -0.5)
+            for h in range(H):   # every list holds the newest token, within the budget
+                n = int(self.decoder.lens[h])
+                assert n == min(S, budget) or (S > budget and n <= budget), (n, S)
+                assert int(r2t[row, pos]) in self.decoder.windows[h * budget:h * budget + n].tolist()
 
     def start(self, tokens=None):
         if tokens is None:
@@ -147,7 +136,7 @@ class World:
     def finish(self, req, abort):
         row, n = req.req_pool_idx, len(req.tokens)
         kv = self.req_pool.req_to_token[row, :n].to(torch.int64).clone()
-        # lychee asks for the key slots of units cut at decode at its grafts: those cut after a request's last
+        # the key slots of units cut at decode are asked for at the grafts: those cut after a request's last
         # graft are never keyed (a later turn re-cuts their tokens)
         st, la = self.manager.states.get(row), self.manager.chunker.lookahead
         store = self.manager.store
@@ -180,11 +169,9 @@ class World:
         self.check_live_requests()
 
     # ---------------------------------------------------------------- checks
-    def expected_summary(self, slots):
-        keys = self.k[self.cfg.dense_layers:, slots]           # [L, n, H, D]
-        if self.cfg.method == "lychee":
-            return F.normalize(keys.mean(1), dim=-1)[:, :, None]
-        return torch.stack([keys.amin(1), keys.amax(1)], dim=2)
+    def expected_key(self, slots):
+        """A unit's key per sparse layer and KV head: its keys' normalized mean."""
+        return F.normalize(self.k[self.cfg.dense_layers:, slots].mean(1), dim=-1)   # [L, H, D]
 
     def check_index(self, req):
         """A placed index records the request's first chunks, and each of them lies within its fine cluster's
@@ -199,7 +186,7 @@ class World:
         assert m.pools.kstart[k].tolist() == st.starts[:M]
         assert m.pools.klen[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
         row = self.req_pool.req_to_token[req.req_pool_idx]
-        keys = torch.stack([self.expected_summary(row[s:e].long())[:, :, 0] for s, e in zip(st.starts[:M], st.ends)],
+        keys = torch.stack([self.expected_key(row[s:e].long()) for s, e in zip(st.starts[:M], st.ends)],
                            2).reshape(ix.fine_mu.shape[0], M, D)   # [sparse layers * H, M, D], layer-major
         for mu, r, owner in ((ix.fine_mu, ix.fine_r, ix.chunk_fine),
                              (ix.coarse_mu, ix.coarse_r, ix.fine_parent.gather(1, ix.chunk_fine))):
@@ -207,22 +194,17 @@ class World:
             assert bool(((keys - centre).norm(dim=-1) <= r.gather(1, owner) + 1e-5).all())
 
     def check_live_requests(self):
-        """Each live request's units are its own chain, with summaries (quest) or an index (lychee) of its own
-        tokens."""
+        """Each live request's units are its own chain, with an index of its own tokens."""
         self.manager.prepare_extend([], [], [], self.req_pool.req_to_token, [])
         store = self.manager.store
         for req in self.live:
             st = self.manager.states[req.req_pool_idx]
-            row = self.req_pool.req_to_token[req.req_pool_idx]
             chunker = self.manager.chunker
             n = st.seq_len - req.decoded   # a decode step cuts from the tokens before its own
             assert st.ends == Chunker.cuts(chunker, np.array(req.tokens[:n])).tolist()
             for uid, s, e in zip(st.units, st.starts, st.ends):
                 assert (int(store.unit_start[uid]), int(store.unit_end[uid])) == (s, e)
                 assert int(store.refs[uid]) >= 1
-                if store.summary is not None:
-                    got = store.summary[:, uid]
-                    assert torch.allclose(got, self.expected_summary(row[s:e].long()), atol=1e-5)
             self.check_index(req)
 
     def paths(self):
@@ -246,19 +228,14 @@ class World:
         self.manager.index_cache.clear()  # cached indexes hold unit references of their own
         store = self.manager.store
         snap = store.snapshot()
-        rebuild = {}
+        rebuild = set()
         for toks, slots in self.paths():
             ends = self.manager.chunker.cuts(np.array(toks)).tolist()
             starts = [0] + ends[:-1]
             for s, e in zip(starts, ends):
-                key_slot = slots[s + self.manager.chunker.lookahead - 1]
-                rebuild[(key_slot, s, e)] = self.expected_summary(torch.tensor(slots[s:e]))
-        # exactly the rebuild's units but those left unkeyed at a finish: none stale, same summaries
-        assert sorted(snap) == sorted(set(rebuild) - self.unkeyed_at_finish)
-        if self.cfg.method == "quest":   # quest asks for every key slot at the step that cut the unit
-            assert not self.unkeyed_at_finish
-        for key, summ in rebuild.items():
-            assert key not in snap or snap[key] is None or torch.allclose(snap[key], summ, atol=1e-5), key
+                rebuild.add((slots[s + self.manager.chunker.lookahead - 1], s, e))
+        # exactly the rebuild's units but those left unkeyed at a finish: none stale
+        assert sorted(snap) == sorted(rebuild - self.unkeyed_at_finish)
         # no leaks: with no live request, each stored unit is held by its slot alone
         assert store.live_units == len(snap)
         assert all(int(store.refs[int(store.slot_unit[slot])]) == 1 for slot, _, _ in snap)
