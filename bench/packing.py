@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from sgl_sparsekv.index import quantize, quantize_box
-from sgl_sparsekv.kernels.select import RANGE_FIELDS, RequestRanges, Segment
+from sgl_sparsekv.kernels.select import (RANGE_FIELDS, Centroids, ChunkRows, CoarseRows, FineRows, RequestRanges,
+                                         Segment)
 
 
 def pack(indexes, chunk_starts, chunk_lens, device):
@@ -19,7 +20,7 @@ def pack(indexes, chunk_starts, chunk_lens, device):
         return torch.cat(ts).to(device)
 
     def centroids(ts):   # stored as the index pools store them
-        return tuple(t.contiguous() for t in quantize(cat(ts)))
+        return Centroids(*(t.contiguous() for t in quantize(cat(ts))))
 
     columns = []
     c = f = k = 0
@@ -28,15 +29,15 @@ def pack(indexes, chunk_starts, chunk_lens, device):
         columns.append(RequestRanges(Segment(), Segment(c, P, f, L, k, M), scratch_at=f).column())
         c, f, k = c + P, f + L, k + M
     table = torch.tensor(columns, dtype=torch.int32).reshape(len(indexes), len(RANGE_FIELDS)).T.contiguous()
-    coarse = (centroids([ix.coarse_mu.transpose(0, 1) for ix in indexes]),
-              cat([ix.coarse_r.T for ix in indexes]).contiguous(),
-              cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
-    fine = (centroids([ix.fine_mu.transpose(0, 1) for ix in indexes]),
-            cat([ix.fine_r.T for ix in indexes]).contiguous(),
-            cat([ix.fine_tokens.T for ix in indexes]).contiguous(),
-            cat([ix.fine_parent.T for ix in indexes]).to(torch.int32).contiguous())
-    chunks = (cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
-              cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
+    coarse = CoarseRows(centroids([ix.coarse_mu.transpose(0, 1) for ix in indexes]),
+                        cat([ix.coarse_r.T for ix in indexes]).contiguous(),
+                        cat([ix.coarse_tokens.T for ix in indexes]).contiguous())
+    fine = FineRows(centroids([ix.fine_mu.transpose(0, 1) for ix in indexes]),
+                    cat([ix.fine_r.T for ix in indexes]).contiguous(),
+                    cat([ix.fine_tokens.T for ix in indexes]).contiguous(),
+                    cat([ix.fine_parent.T for ix in indexes]).to(torch.int32).contiguous())
+    chunks = ChunkRows(cat([ix.chunk_fine.T for ix in indexes]).to(torch.int32).contiguous(),
+                       cat(list(chunk_starts)).to(torch.int32), cat(list(chunk_lens)).to(torch.int32))
     return coarse, fine, chunks, table.to(device)
 
 

@@ -108,6 +108,38 @@ class RequestRanges(NamedTuple):
         return self.prefix.fine + self.own.fine
 
 
+class Centroids(NamedTuple):
+    """Stored centroids: int8 ``codes`` [N, H, d] times a power-of-two ``scale`` [N, H] (``index.quantize``)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+class CoarseRows(NamedTuple):
+    """A sparse layer's coarse pool as the kernels read it: per row and KV head."""
+
+    centroids: Centroids
+    radius: torch.Tensor   # [C, H] fp32; -inf: an empty row
+    tokens: torch.Tensor   # [C, H] fp32
+
+
+class FineRows(NamedTuple):
+    """A sparse layer's fine pool: as the coarse, plus each cluster's coarse unit (local to its segment)."""
+
+    centroids: Centroids
+    radius: torch.Tensor   # [F, H]
+    tokens: torch.Tensor   # [F, H]
+    parent: torch.Tensor   # [F, H] int32
+
+
+class ChunkRows(NamedTuple):
+    """A sparse layer's chunk pool: each chunk's fine cluster (local to its segment), first position and length."""
+
+    fine: torch.Tensor     # [K, H] int32
+    start: torch.Tensor    # [K] int32
+    length: torch.Tensor   # [K] int32
+
+
 RANGE_FIELDS = (*(f"prefix_{f}" for f in Segment._fields), *(f"own_{f}" for f in Segment._fields), "scratch_at")
 # the kernels' row indexes of those fields (a Triton kernel reads module constants only as constexpr)
 (PREFIX_COARSE_AT, PREFIX_COARSE, PREFIX_FINE_AT, PREFIX_FINE, PREFIX_CHUNK_AT, PREFIX_CHUNKS,
@@ -593,8 +625,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     """-> sel [H, S] float32 scratch (1.0 = take): request ``b``'s fine clusters, in union order, are its columns
     ``so[b] ..``, for the KV heads ``heads`` (int32, default all); other columns and heads are untouched.
 
-    coarse = ((mu [C,H,d] int8, scale [C,H]), r [C,H], tok [C,H]); fine = ((mu, scale), r, tok, parent int32);
-    ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
+    coarse: ``CoarseRows``; fine: ``FineRows`` (``IndexPools.layer``); ranges: [len(RANGE_FIELDS), >= bs] int32; budget: [bs] int32. ``out`` = ``scratch(S, H)``, by default sized
     from ``ranges`` (a host read). ``parts`` programs per (request, KV head) split the clusters' bounds. Requests
     with more than ``cut_block`` fine clusters are cut in passes over memory instead of registers; ``cut_band``
     (tile, keys) sets the register cut's last passes and ``cut_value_steps`` its first (``_cut_in_registers``).
@@ -603,7 +634,7 @@ def select_fine(q, coarse, fine, ranges, budget, expand: float, max_coarse: int 
     has at most ``max_coarse`` coarse units. Bounds and picks use each head's row of the scratch (so many requests
     of a batch read one shared segment without writing to it).
     """
-    ftok = fine[2]
+    ftok = fine.tokens
     H = ftok.shape[1]
     if out is None:
         out = scratch(scratch_rows(ranges, q.shape[0]), H, q.device)
@@ -726,8 +757,8 @@ def emit_tokens(sel, chunks, ranges, rows, seq_lens, req_to_token, sink: int, re
     and are written only where ``fresh[b]`` is set (a request reusing its lists of an earlier step); default: list
     row ``b``, every row written.
 
-    sel: :func:`select_fine`'s scratch rows; chunks = (fine [K,H] int32 local fine index, start [K] int32,
-    length [K] int32 <= max_chunk); ranges as in :func:`select_fine`; rows: request pool rows. Each list holds at
+    sel: :func:`select_fine`'s scratch rows; chunks: ``ChunkRows`` (lengths <= max_chunk); ranges as in
+    :func:`select_fine`; rows: request pool rows. Each list holds at
     most ``cap`` slots (sized by the caller from the budget). A request with at most ``dense_limit`` tokens gets
     all of them. ``out`` = (lens, windows, counts [bs*H*parts] int32).
     """

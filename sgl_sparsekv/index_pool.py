@@ -33,7 +33,7 @@ import torch
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import (BOX_DTYPE, CODE_DTYPE, ClusterIndex, PackedIndex, dequantize, quantize, quantize_box,
                                 recount)
-from sgl_sparsekv.kernels.select import Segment
+from sgl_sparsekv.kernels.select import Centroids, ChunkRows, CoarseRows, FineRows, Segment
 
 
 class RangeAllocator:
@@ -202,11 +202,11 @@ class IndexPools:
         if rng.chunks:
             assert int(kf.min()) >= 0 and int(kf.max()) < rng.fine, ("chunk clusters", rng)
 
-    def layer(self, l: int):
-        """(coarse, fine, chunks) views of sparse layer ``l`` in the layout ``kernels/select.py`` reads."""
-        return (((self.cmu[l], self.csc[l]), self.cr[l], self.ctok[l]),
-                ((self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
-                (self.kfine[l], self.kstart, self.klen))
+    def layer(self, l: int) -> tuple[CoarseRows, FineRows, ChunkRows]:
+        """Views of sparse layer ``l``'s pools in the layout ``kernels/select.py`` reads."""
+        return (CoarseRows(Centroids(self.cmu[l], self.csc[l]), self.cr[l], self.ctok[l]),
+                FineRows(Centroids(self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
+                ChunkRows(self.kfine[l], self.kstart, self.klen))
 
     def box_layer(self, l: int):
         """Sparse layer ``l``'s fine boxes [F, H, 2, d], or None without them (``kernels/select.py``)."""
