@@ -15,6 +15,10 @@ ranking by its full upper bound, half of its radius, or the centroid's score alo
 0.25 by default), lychee with two chunks per fine cluster (``fine_cluster_size`` 2, the default up to 560e8bf),
 and hybrid heads (config ``head_roles``) with the model's shipped calibrated, HardKuma-learned or layer-sharing
 role map, or staggered roles.
+Samples come in two splits (``--split``): dev, the samples every default and option is chosen on (the seeded
+streams of every result before the split), and test, other samples of the same seeds that only ever report. The
+held-out record families (``bench.tasks.HELD_OUT``: tables, logs, configuration files, JSON lists, SQL dumps, call
+chains, written after the defaults were chosen) serve on the test split only.
 Each (method, budget) gets its own server; every sample is scored by exact match of its expected strings. Each
 cell records its sample count and a 95% Wilson interval. On the GPU the server runs with CUDA graphs on
 (``--attention-backend``, Triton by default) and ``--concurrency`` samples in flight, so SGLang batches them.
@@ -32,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from bench.server import CPU_ARGS, Lineup, Server, alongside
-from bench.tasks import RULER, STRUCTURED, TASKS, make_all
+from bench.tasks import HELD_OUT, RULER, SPLITS, STRUCTURED, TASKS, make_all
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"}),
@@ -158,7 +162,7 @@ def ends(results: list[dict]) -> dict:
 def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, max_tokens=24, save=None,
         gpu_backend: str | None = None, concurrency: int = 1, cuda_graph: bool = True, tp_size: int = 1,
         first: int = 0, parallel: int = 1, deadline: float | None = None, after: dict | None = None,
-        rope_scale: float = 1.0) -> dict:
+        rope_scale: float = 1.0, split: str = "dev") -> dict:
     """Score every (method, budget) on the seeded samples ``first .. first + samples - 1`` of each task (a
     ``NAME@BUDGET:SEED`` word: from SEED on, its run saying so in ``first_seed``; ``after`` ((method, budget) ->
     seed, ``ends`` of earlier calls): from that seed on where it is later); ``save(res)`` is called after
@@ -169,7 +173,13 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     ``tp_size``: tensor parallelism on the GPU. ``parallel``: servers at work at once on the one GPU, each with
     its KV pool capped (``bench.server.alongside``). Each answer's digest is kept, so two runs of the same samples
     (say TP 1 and TP 2) can be compared answer by answer. ``rope_scale``: ``model_dir`` is the model with its RoPE
-    stretched that many times (``sgl_sparsekv.models.stretched``), served at that many times its context."""
+    stretched that many times (``sgl_sparsekv.models.stretched``), served at that many times its context.
+    ``split``: "dev", the samples defaults are chosen on, or "test", other samples of the same seeds that only
+    report; the held-out task families (``tasks.HELD_OUT``) are served on the test split only."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: one of {', '.join(SPLITS)}")
+    if split == "dev" and (held := [t for t in tasks if t in HELD_OUT]):
+        raise ValueError(f"{', '.join(held)}: held-out task families are served on the test split only")
     seeds = {}   # (name, budget) -> the seeds its run serves
     for name, own, start in map(cell, methods):
         for budget in ([None] if METHODS[name][0] == "off" else own or budgets):
@@ -181,7 +191,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     every = sorted({s for r in seeds.values() for s in r})
     keys = [(t, n, s) for t in tasks for n in lengths for s in every]
     # a few samples are drawn here; a device call's hundreds of long ones on every core (see make_all)
-    drawn = make_all(model_dir, keys, workers=min(16, os.cpu_count() or 1) if len(keys) * max(lengths) > 2e6 else 1)
+    drawn = make_all(model_dir, keys, workers=min(16, os.cpu_count() or 1) if len(keys) * max(lengths) > 2e6 else 1,
+                     split=split)
     data = {t: {n: {s: drawn[t, n, s] for s in every} for n in lengths} for t in tasks}
     if gpu_backend:
         import torch
@@ -193,7 +204,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         device, server = f"CPU ({platform.machine()})", CPU_SERVER
     server = server + ["--context-length", str(int(CONTEXT.get(model, 8192) * rope_scale))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
-    res = {"model": model, **({"rope_scale": rope_scale} if rope_scale != 1 else {}), "device": device,
+    res = {"model": model, **({"rope_scale": rope_scale} if rope_scale != 1 else {}), "split": split, "device": device,
            "lengths": lengths, "samples": samples, "first_seed": first,
            "budgets": budgets, "tasks": list(tasks), "server_args": server if gpu_backend else CPU_ARGS + server,
            "runs": [], **({"servers_alongside": parallel} if parallel > 1 else {})}
@@ -336,6 +347,9 @@ def append(new: dict, committed: dict, **fields) -> dict:
     for key in ("model", "lengths"):
         if new[key] != committed[key]:
             raise ValueError(f"{key} {new[key]} against the file's {committed[key]}: not the same samples")
+    if new.get("split", "dev") != committed.get("split", "dev"):   # files from before the split hold dev samples
+        raise ValueError(f"split {new.get('split', 'dev')} against the file's {committed.get('split', 'dev')}: not "
+                         "the same samples")
     if new.get("rope_scale", 1) != committed.get("rope_scale", 1):
         raise ValueError(f"RoPE stretched {new.get('rope_scale', 1)} times against the file's "
                          f"{committed.get('rope_scale', 1)}: not the same model")
@@ -477,7 +491,10 @@ def main():
                     help="the ranking variants run only when named; METHOD@BUDGET: that one budget; "
                          "METHOD@BUDGET:SEED: that cell from seed SEED up to --samples")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None,
+                    help="default: every task of the split (the held-out families on the test split only)")
+    ap.add_argument("--split", choices=SPLITS, default="dev",
+                    help="dev: the samples defaults are chosen on; test: other samples of the same seeds, to report")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2000, 6000])
     ap.add_argument("--samples", type=int, default=5, help="samples per task and length (10 tasks: 50 is 500 in all)")
     ap.add_argument("--first", type=int, default=0, help="the first sample's seed (to add samples to a result)")
@@ -538,6 +555,10 @@ def main():
         # every sample of a server in flight at once: SGLang batches their decode steps (CI's CPU time is the servers')
         a.budgets, a.lengths, a.samples, a.concurrency = [256], [1000], 2, 6
         a.tasks = ["passkey", "niah_multikey", "json_value"]
+    if a.tasks is None:
+        a.tasks = [t for t in TASKS if a.split == "test" or t not in HELD_OUT]
+    elif a.split == "dev" and (held := [t for t in a.tasks if t in HELD_OUT]):
+        ap.error(f"--tasks {' '.join(held)}: held-out task families are served on the test split only (--split test)")
     after = []
     for path in a.after:
         if not os.path.exists(path):
@@ -561,7 +582,7 @@ def main():
               gpu_backend=a.attention_backend if a.device == "gpu" else None, concurrency=a.concurrency,
               cuda_graph=not a.disable_cuda_graph, tp_size=a.tp_size, first=a.first, parallel=a.parallel,
               deadline=None if a.deadline is None else time.time() + a.deadline, after=ends(after),
-              rope_scale=a.rope_scale)
+              rope_scale=a.rope_scale, split=a.split)
     if a.plot:
         plot(res, a.plot)
 

@@ -104,6 +104,37 @@ def test_task_prompts_hold_their_length(smollm2_tokenizer, n):
         assert 0.9 * n <= got <= 1.1 * n, ("words", task, n, got)
 
 
+@pytest.mark.parametrize("task", ["table_row", "log_lookup", "config_value", "json_list", "sql_insert",
+                                  "call_chain"])
+def test_held_out_families_ask_for_one_record_among_many_alike(smollm2_tokenizer, task):
+    """Each held-out family's answer is one field of one record among dozens alike: the answer stands once in the
+    prompt (a neighbour's value is a wrong answer), the sample is the same for the same seed and split, and the test
+    split draws another sample from the same seed."""
+    from bench.tasks import HELD_OUT, make
+
+    assert task in HELD_OUT
+    x = make(task, smollm2_tokenizer, 3000, 7, split="test")
+    assert x.expected and all(x.prompt.count(e) == 1 for e in x.expected)
+    assert x.prompt.count("\n") >= 40   # dozens of records, each a line or more
+    assert x == make(task, smollm2_tokenizer, 3000, 7, split="test")
+    assert make(task, smollm2_tokenizer, 3000, 7).prompt != x.prompt   # the dev split's sample of seed 7
+    assert x.score(f" {x.expected[0]}.") and not x.score(" 1" + x.expected[0])
+
+
+def test_held_out_families_serve_on_the_test_split_only(smollm2_dir):
+    """No default may be chosen on a held-out family: the harness serves them on the test split alone, and a test
+    split's runs never join a dev file (other samples)."""
+    from bench import fidelity
+
+    with pytest.raises(ValueError, match="held-out task families are served on the test split only"):
+        fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey", "sql_insert"], [300], 1)
+    with pytest.raises(ValueError, match="split 'holdout'"):
+        fidelity.run("smollm2", smollm2_dir, ["off"], [256], ["passkey"], [300], 1, split="holdout")
+    dev = {"model": "smollm2", "lengths": [300], "runs": []}   # a file from before the split: dev samples
+    with pytest.raises(ValueError, match="split test against the file's dev"):
+        fidelity.append({**dev, "split": "test", "device": "d", "samples": 1, "tasks": []}, dev)
+
+
 def test_extend_joins_two_runs_over_consecutive_seeds():
     from bench.fidelity import extend
 
