@@ -517,7 +517,7 @@ def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
 @pytest.mark.parametrize("no_sync,roles,rerank,every,bound", [
     (False, "all-retrieval", 1, 1, "ball"), (True, "all-retrieval", 1, 1, "ball"), (False, "staggered-0.5", 1, 1, "ball"),
     (True, "staggered-0.5", 2, 1, "ball"), (True, "all-retrieval", 1, 4, "ball"), (True, "all-retrieval", 1, "ahead", "ball"),
-    (True, "all-retrieval", 1, 1, "box")])
+    (True, "all-retrieval", 1, 1, "box"), (True, "all-retrieval", 1, 1, "quest")])
 def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
@@ -530,7 +530,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     factor (its candidates' keys scored in the graph too). ``every``: select_every (lists kept per layer across
     steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
-    twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels)."""
+    twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels), or
+    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning)."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.patches.backend import join_after_forward
 
@@ -541,9 +542,10 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         monkeypatch.setattr("sgl_sparsekv.pooled_decode.DEBUG", False)
 
     dev, Hk, Gq, d, layers = "cuda", 8, 4, 128, 4
-    cfg = SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
-                                                "head_roles": roles, "rerank_factor": rerank, "select_every": every,
-                                                "select_ahead": ahead, "fine_bound": bound})
+    cfg = SparseKVConfig.from_method("quest", {"token_budget": 1024, "dense_layers": 1}) if bound == "quest" else \
+        SparseKVConfig.from_method("lychee", {"token_budget": 1024, "dense_layers": 1, "chunking": "fixed",
+                                              "head_roles": roles, "rerank_factor": rerank, "select_every": every,
+                                              "select_ahead": ahead, "fine_bound": bound})
     lens = [20_000, 9_000, 31_000]
     slots = sum(lens) + 4096
     gen = torch.Generator(device=dev).manual_seed(0)
