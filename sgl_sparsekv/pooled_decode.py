@@ -1,4 +1,4 @@
-"""Lychee decode from the index pools, in static buffers that a CUDA graph captures (on the GPU).
+"""Sparse decode from the index pools, for every method, in static buffers that a CUDA graph captures (on the GPU).
 
 Before each step (eager, outside the graph) ``prepare`` runs the manager's pooled preparation and
 writes every batch row's ``StepRow`` (its pool ranges, ``kernels.select.RequestRanges``: its shared and own
