@@ -39,11 +39,12 @@ case "$1" in
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
     resume=(); [ -f resume_s.json ] && resume=(--resume resume_s.json)
-    serve_at() {   # $1: the checkout whose plugin serves, $2: the result's name
-      export SPARSEKV_LOG_COMPILES="$OUT/$2.compiles.jsonl"   # each Triton compile of the sparse servers
+    serve_at() {   # $1: the checkout whose plugin serves, $2: the result's name, then the contexts and flags
+      local dir=$1 out=$2; shift 2
+      export SPARSEKV_LOG_COMPILES="$OUT/$out.compiles.jsonl"   # each Triton compile of the sparse servers
       # shellcheck disable=SC2086  # METHODS and the workload are word lists
-      (cd "$1" && timeout "$limit" python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$2.json" --methods $methods \
-        --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15)
+      (cd "$dir" && timeout "$limit" python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$out.json" \
+        --methods $methods --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15)
       if [ -f "$SPARSEKV_LOG_COMPILES" ]; then
         python3 -m sgl_sparsekv.compile_log "$SPARSEKV_LOG_COMPILES" | tail -8
       fi; }
