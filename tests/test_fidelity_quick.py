@@ -244,7 +244,7 @@ def test_deadline_keeps_the_seeds_every_task_finished(monkeypatch, smollm2_dir, 
     monkeypatch.setattr(concurrent.futures.Future, "cancel", counting_cancel)
     monkeypatch.setattr(fidelity, "Server", FakeServer)
     # drawn already: the second before the deadline is the serving's, not the tokenizer's on a busy machine
-    monkeypatch.setattr(fidelity, "make_all", lambda model_dir, keys, workers: {k: drawn[k] for k in keys})
+    monkeypatch.setattr(fidelity, "make_all", lambda model_dir, keys, workers, split: {k: drawn[k] for k in keys})
     res = fidelity.run("smollm2", smollm2_dir, ["off", "lychee"], [256], ["passkey", "niah_single"], [300], 5,
                        concurrency=2, deadline=time.time() + 1.0)
     assert sorted(sent) == [0, 0, 1, 1, 2, 2]   # seeds 3 and 4 were never sent
