@@ -251,7 +251,8 @@ def main():
         torch.cuda.empty_cache()
         for bs in a.selection_batches:
             fused, layer, fused_g, layer_g = fused_selection_ms(bs, ctx, 1024)
-            res["selection"].append({"ctx": ctx, "bs": bs, "fused_ms": fused, "sparse_layer_ms": layer, "fused_graph_ms": fused_g,
+            res["selection"].append({"ctx": ctx, "bs": bs, "fused_ms": fused, "sparse_layer_ms": layer,
+                                     "fused_graph_ms": fused_g,
                                      "sparse_layer_graph_ms": layer_g})
             print(json.dumps(res["selection"][-1]), flush=True)
         build = index_build_ms(ctx)

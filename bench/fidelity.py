@@ -36,7 +36,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 from bench.server import CPU_ARGS, Lineup, Server, alongside
-from bench.tasks import HELD_OUT, RULER, SPLITS, STRUCTURED, TASKS, make_all
+from bench.tasks import HELD_OUT, RULER, SPLITS, STRUCTURED, TASKS, check_split, make_all
 
 METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-fixed": ("lychee", {"chunking": "fixed"}),
@@ -176,10 +176,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     stretched that many times (``sgl_sparsekv.models.stretched``), served at that many times its context.
     ``split``: "dev", the samples defaults are chosen on, or "test", other samples of the same seeds that only
     report; the held-out task families (``tasks.HELD_OUT``) are served on the test split only."""
-    if split not in SPLITS:
-        raise ValueError(f"split {split!r}: one of {', '.join(SPLITS)}")
-    if split == "dev" and (held := [t for t in tasks if t in HELD_OUT]):
-        raise ValueError(f"{', '.join(held)}: held-out task families are served on the test split only")
+    check_split(split, tasks)
     seeds = {}   # (name, budget) -> the seeds its run serves
     for name, own, start in map(cell, methods):
         for budget in ([None] if METHODS[name][0] == "off" else own or budgets):
@@ -557,8 +554,10 @@ def main():
         a.tasks = ["passkey", "niah_multikey", "json_value"]
     if a.tasks is None:
         a.tasks = [t for t in TASKS if a.split == "test" or t not in HELD_OUT]
-    elif a.split == "dev" and (held := [t for t in a.tasks if t in HELD_OUT]):
-        ap.error(f"--tasks {' '.join(held)}: held-out task families are served on the test split only (--split test)")
+    try:
+        check_split(a.split, a.tasks)
+    except ValueError as e:
+        ap.error(f"{e} (--split test)")
     after = []
     for path in a.after:
         if not os.path.exists(path):

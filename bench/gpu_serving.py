@@ -14,7 +14,8 @@ instance:
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks).
 Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-2, two chunks per fine cluster;
-and quest, the same lifecycle with Quest's pages) over dense, from the same run on the same device. ``--tp-size 2`` / ``--dp-size 2`` serve both on two GPUs. One
+and quest, the same lifecycle with Quest's pages) over dense, from the same run on the same device. ``--tp-size 2`` /
+``--dp-size 2`` serve both on two GPUs. One
 method per device call fits the 10-minute limit: ``--resume`` adds this call's methods (or more of a method's
 measurements) to the result of an earlier call on the same machine.
 """

@@ -42,10 +42,11 @@ case "$1" in
     serve_at() {   # $1: the checkout whose plugin serves, $2: the result's name, then the contexts and flags
       local dir=$1 out=$2; shift 2
       export SPARSEKV_LOG_COMPILES="$OUT/$out.compiles.jsonl"   # each Triton compile of the sparse servers
-      # shellcheck disable=SC2086  # METHODS and the workload are word lists
       # that checkout's packages first: the tree's own sit on PYTHONPATH (for bench/), and a server's processes
       # import sgl_sparsekv through it before the editable install
-      (cd "$dir" && export PYTHONPATH="$PWD:$PYTHONPATH" && timeout "$limit" python3 -m bench.gpu_serving --model /tmp/m8b --out "$OUT/$out.json" \
+      # shellcheck disable=SC2086  # METHODS and the workload are word lists
+      (cd "$dir" && export PYTHONPATH="$PWD:$PYTHONPATH" && timeout "$limit" python3 -m bench.gpu_serving \
+        --model /tmp/m8b --out "$OUT/$out.json" \
         --methods $methods --workloads $workload "${resume[@]}" --contexts "$@" 2>&1 | grep -v "it/s]" | tail -15)
       if [ -f "$SPARSEKV_LOG_COMPILES" ]; then
         python3 -m sgl_sparsekv.compile_log "$SPARSEKV_LOG_COMPILES" | tail -8

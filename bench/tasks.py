@@ -285,7 +285,8 @@ def task_config_value(tok, n, rng, depth=None):
         return {"section": f"service_{i:04d}", "host": f"10.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{i % 250}",
                 "port": str(rng.randint(1024, 65535)), "token": _code(rng, 8), "retries": str(rng.randint(1, 9))}
 
-    render = lambda r: f"[{r['section']}]\nhost={r['host']}\nport={r['port']}\ntoken={r['token']}\nretries={r['retries']}\n"
+    render = lambda r: (f"[{r['section']}]\nhost={r['host']}\nport={r['port']}\ntoken={r['token']}\n"
+                        f"retries={r['retries']}\n")
     records, texts = _records(tok, n - 80, rng, render, record)
     rec = _unique_field(rng, records, texts, "token", "\n")
     return Sample("config_value", "\n".join(texts) + f"\nIn the configuration above, what is the token of "
@@ -351,6 +352,14 @@ HELD_OUT = ("table_row", "log_lookup", "config_value", "json_list", "sql_insert"
 # a split's samples: the dev split (the seeds every default was chosen on) keeps the streams of the results before
 # the split existed; the test split draws other samples from the same seeds and only ever reports
 SPLITS = ("dev", "test")
+
+
+def check_split(split: str, tasks) -> None:
+    """A ValueError unless ``split`` is one and ``tasks`` may be served on it (held-out families: test only)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: one of {', '.join(SPLITS)}")
+    if split == "dev" and (held := [t for t in tasks if t in HELD_OUT]):
+        raise ValueError(f"{', '.join(held)}: held-out task families are served on the test split only")
 
 
 def make(task: str, tokenizer, n_tokens: int, seed: int, depth: float | None = None, split: str = "dev") -> Sample:

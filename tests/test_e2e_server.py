@@ -3,7 +3,8 @@
 Budget 256, so contexts of 1.5K-2.5K tokens really decode sparsely. Every check is deterministic: the
 plugin's counters, the radix cache's reuse, exact token equality below the budget (the same kernels
 run), and the state after traffic. Whether a 135M model's sparse answer to a long prompt matches its
-dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py), not here, where one borderline greedy token would make CI flaky.
+dense one is an accuracy question: it lives in the benchmarks (bench/fidelity.py), not here, where one borderline
+greedy token would make CI flaky.
 """
 
 import time

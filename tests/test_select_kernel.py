@@ -387,7 +387,8 @@ def test_rows_over_two_prefixes_interleaved(parts):
     for b, p in enumerate(adopted):
         r = RequestRanges(Segment() if p is None else packs[p].own, packs[2 + b].own, at)
         if b == 5:
-            r = RequestRanges(Segment(), Segment(), at)   # a row without an index in the pools (dense fallback, padding)
+            # a row without an index in the pools (dense fallback, padding)
+            r = RequestRanges(Segment(), Segment(), at)
         columns.append(r.column())
         at += r.fines
     ranges = torch.tensor(columns, dtype=torch.int32, device=DEV).T.contiguous()
