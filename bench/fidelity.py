@@ -75,7 +75,11 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # (SparseKVConfig.quest_policy): 16-token chunks, each its own fine cluster, ranked by its key box at
            # weight 1, every coarse unit expanded; kept so its committed runs still name a method
            "quest-graphs": ("lychee", {"chunking": "fixed", "fine_bound": "box", "radius_weight": 1.0,
-                                       "coarse_expand": 1024.0})}
+                                       "coarse_expand": 1024.0}),
+           # fp8 KV (--kv-cache-dtype fp8_e4m3, SERVER_FLAGS): each method against its own bf16 run of the same call
+           **{f"{m}-fp8kv": (m, {}) for m in ("off", "lychee", "quest")}}
+# methods served with server flags of their own
+SERVER_FLAGS = {f"{m}-fp8kv": ["--kv-cache-dtype", "fp8_e4m3"] for m in ("off", "lychee", "quest")}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
@@ -211,7 +215,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         cfg = None if method == "off" else {"token_budget": budget, **{
             k: v.format(model=model) if isinstance(v, str) else v for k, v in extra.items()}}
         eager[name, budget] = bool(gpu_backend) and not cuda_graph
-        args = server + (["--disable-cuda-graph"] if eager[name, budget] else [])
+        args = server + SERVER_FLAGS.get(name, []) + (["--disable-cuda-graph"] if eager[name, budget] else [])
         servers[name, budget] = Server(model_dir, method, cfg, extra=args, cpu=not gpu_backend)
 
     def score(name, budget, srv, pool) -> dict | None:
@@ -484,9 +488,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--model-dir", default=None)
-    ap.add_argument("--methods", nargs="+", default=["off", "lychee", "quest", "lychee-fixed"], type=method_arg,
-                    help="the ranking variants run only when named; METHOD@BUDGET: that one budget; "
-                         "METHOD@BUDGET:SEED: that cell from seed SEED up to --samples")
+    ap.add_argument("--methods", nargs="+", default=None, type=method_arg,
+                    help="default: off lychee quest lychee-fixed (--quick: off lychee); the ranking variants "
+                         "run only when named; METHOD@BUDGET: that one budget; METHOD@BUDGET:SEED: that cell from "
+                         "seed SEED up to --samples")
     ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--tasks", nargs="+", choices=list(TASKS), default=None,
                     help="default: every task of the split (the held-out families on the test split only)")
@@ -500,7 +505,7 @@ def main():
                     "so calls sent together continue one another wherever a deadline cut the one before")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                     help="after this long, send no more samples: each run keeps the seeds every task finished")
-    ap.add_argument("--quick", action="store_true", help="2 samples, budget 256, 1K tokens, 3 tasks, "
+    ap.add_argument("--quick", action="store_true", help="dense and lychee, 2 samples, budget 256, 1K tokens, 3 tasks, "
                     "all 6 of a server's samples in flight at once")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     ap.add_argument("--attention-backend", default="triton", help="on the GPU: the backend dense runs on and "
@@ -544,6 +549,8 @@ def main():
             ap.error(f"--append {a.append[0]} {a.append[1]}: {e}")
         write(merged, a.append[1])
         return
+    if a.methods is None:
+        a.methods = ["off", "lychee"] + ([] if a.quick else ["quest", "lychee-fixed"])
     if a.first and any(cell(word)[2] is not None for word in a.methods):
         ap.error("--first and METHOD@BUDGET:SEED words: each run's first seed is said once")
     if a.parallel > 1 and (a.device != "gpu" or a.tp_size > 1):

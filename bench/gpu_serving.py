@@ -12,7 +12,10 @@ instance:
     ``--concurrency``), ``random64`` (64 prompts at concurrency 16), ``shared`` (2 groups x 16 requests over
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
-  - the plugin's counters after the workloads (index pool fill, dense fallbacks).
+  - the plugin's counters after the workloads (index pool fill, dense fallbacks), the most requests each workload
+    ran at once (``peak_running``, from the scheduler's decode log lines) and each server's KV pool in tokens
+    (``kv_pool_tokens``): what bounds a workload that outgrows GPU memory. ``--kv-cache-dtype fp8_e4m3`` serves
+    every method with fp8 KV (the capacity runs: ``--workloads random --prompts 32 --concurrency 32``).
 Ratios are lychee (and each variant: lychee-hybrid-*, hybrid heads; lychee-fine-2, two chunks per fine cluster;
 and quest, the same lifecycle with Quest's pages) over dense, from the same run on the same device. ``--tp-size 2`` /
 ``--dp-size 2`` serve both on two GPUs. One
@@ -125,14 +128,17 @@ def steady_decode(log: str, batch: int) -> dict | None:
 
 
 CAPTURE_LINE = re.compile(r"Capture target decode CUDA graph end\. elapsed=([\d.]+) s")
+KV_POOL_LINE = re.compile(r"max_total_num_tokens=(\d+)")
 
 
 def server_start(srv: Server) -> dict:
     """How long the server took to start (launch to ready) and, of that, the decode graphs' capture, where a fresh
     machine compiles the plugin's Triton kernels and, in its first server, FlashInfer's JIT modules."""
     with open(srv.log_path, errors="replace") as f:
-        capture = CAPTURE_LINE.search(f.read())
-    return {"ready_s": srv.ready_s, "decode_graph_capture_s": float(capture.group(1)) if capture else None}
+        log = f.read()
+    capture, pool = CAPTURE_LINE.search(log), KV_POOL_LINE.search(log)
+    return {"ready_s": srv.ready_s, "decode_graph_capture_s": float(capture.group(1)) if capture else None,
+            "kv_pool_tokens": int(pool.group(1)) if pool else None}
 
 
 def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int, out_file: str) -> dict:
@@ -151,7 +157,10 @@ def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int,
     out["index_pools_after"] = after.get("index_pools")
     with open(srv.log_path, errors="replace") as f:
         f.seek(log_from)
-        out["steady_decode"] = steady_decode(f.read(), concurrency)
+        log = f.read()
+    out["steady_decode"] = steady_decode(log, concurrency)
+    # the most requests the scheduler ran at once (decode log lines): what the KV pool admitted
+    out["peak_running"] = max((int(n) for n, _ in DECODE_LINE.findall(log)), default=None)
     steps = out["plugin"].get("sparse_steps", 0) + out["plugin"].get("dense_steps", 0)
     if steps:
         out["host_ms_per_decode_step"] = round(1000 * out["plugin"]["decode_prepare_s"] / steps, 3)
@@ -220,7 +229,7 @@ def ratios(dense: dict, lychee: dict) -> dict:
             "median_tpot_ratio": r("median_tpot_ms"),
             "median_itl_ratio": r("median_itl_ms"), "mean_ttft_ratio": r("mean_ttft_ms"),
             "median_ttft_ratio": r("median_ttft_ms"), "p99_ttft_ratio": r("p99_ttft_ms"),
-            "mean_e2e_latency_ratio": r("mean_e2e_latency_ms"),
+            "mean_e2e_latency_ratio": r("mean_e2e_latency_ms"), "peak_running_ratio": r("peak_running"),
             "lychee_host_ms_per_decode_step": lychee.get("host_ms_per_decode_step"),
             "lychee_decode_host_syncs": lychee.get("plugin", {}).get("decode_host_syncs"),
             "errors": {"dense": dense["errors"], "lychee": lychee["errors"]}}
@@ -293,6 +302,7 @@ def main():
     ap.add_argument("--resume", help="result JSON of an earlier call on this machine: add this call's methods to it")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor parallelism of both servers (GPUs per server)")
     ap.add_argument("--dp-size", type=int, default=1, help="data-parallel replicas of both servers")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="SGLang's flag, for every server (fp8_e4m3: fp8 KV)")
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES),
                     help="the dummy model's shape: other than llama3-8b, --model's config.json is rewritten to it")
     a = ap.parse_args()
@@ -306,7 +316,7 @@ def main():
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "resume")},
            "gpus": torch.cuda.device_count(),
            "server_args": COMMON + ["--attention-backend", a.backend, "--tp-size", str(a.tp_size),
-                                    "--dp-size", str(a.dp_size)]}
+                                    "--dp-size", str(a.dp_size), "--kv-cache-dtype", a.kv_cache_dtype]}
     if a.resume:
         with open(a.resume) as f:
             prior = json.load(f)

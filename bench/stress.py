@@ -4,6 +4,7 @@
     python3 -m bench.stress --model /tmp/tiny --size small --out /tmp/stress.json    # the `-m gpu` test
     python3 -m bench.stress --model /tmp/tiny --size small --tp-size 2 --out /tmp/stress.json   # two GPUs
     python3 -m bench.stress --model /tmp/tiny --size small --page-size 16 --out /tmp/stress.json  # paged KV
+    python3 -m bench.stress --model /tmp/tiny --size small --kv-cache-dtype fp8_e4m3 --out /tmp/stress.json  # fp8 KV
     python3 -m bench.stress --model models/smollm2 --size cpu --out /tmp/stress.json  # the CPU engine (CI's test)
 
 One lychee server (on the GPU with CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
@@ -11,7 +12,7 @@ small enough that the radix cache evicts and SGLang retracts requests) gets, fro
 random token ids (1K-64K; 1K-4K with ``--size small``; 512-2K at budget 256 on the CPU), half of them over two
 shared prefixes (32K, 2K, 1K), each with a question of its own (its index adopted as a shared segment);
 ``max_new_tokens`` 1 and long; streamed requests whose client disconnects mid-decode and requests aborted through
-``/abort_request``. It passes when every request that was not aborted returns all its tokens, the server stays
+``/abort_request``; some asking for dense decoding or a budget of their own (``custom_params``). It passes when every request that was not aborted returns all its tokens, the server stays
 healthy, and once traffic ends ``/server_info`` reads idle without any further request (no live request state, no
 pool row in use, every unit reference accounted for) and empty after ``/flush_cache``, on every TP rank, and the
 ranks cut and grafted the same units. Then greedy tokens of prompts within the budget are compared with a dense
@@ -39,14 +40,15 @@ SIZES = {"full": dict(lengths=[1024, 4096, 16384, 32768, 65536], requests=72, co
                        pool=40000, context=70000),
          # the CPU engine: SmolLM2 (8K context); 8 requests of up to 2K run at once over a pool of 8K tokens, and 96
          # new tokens take a request past its recent window (64) into grafts
-         "cpu": dict(lengths=[512, 1024, 2048], requests=24, concurrency=8, outs=[16, 96], budget=256, pool=8192,
+         "cpu": dict(lengths=[512, 1024, 2048], requests=16, concurrency=8, outs=[16, 96], budget=256, pool=8192,
                      context=4096)}
 
 
-def server_args(size: str, tp_size: int = 1, page_size: int = 1) -> list[str]:
+def server_args(size: str, tp_size: int = 1, page_size: int = 1, kv_dtype: str = "auto") -> list[str]:
     z = SIZES[size]
     common = ["--tp-size", str(tp_size), "--page-size", str(page_size), "--max-running-requests", "32",
-              "--max-total-tokens", str(z["pool"]), "--context-length", str(z["context"]), "--enable-metrics"]
+              "--max-total-tokens", str(z["pool"]), "--context-length", str(z["context"]), "--enable-metrics",
+              "--kv-cache-dtype", kv_dtype]
     if size == "cpu":   # bench.server.CPU_ARGS: the CPU engine, torch_native, real weights
         return common
     return common + ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-backend", "pytorch",
@@ -67,13 +69,17 @@ def plan(seed: int, size: str) -> list[dict]:
             ids = [rng.randrange(1000, 30_000) for _ in range(rng.choice(lengths))]
         kind = rng.choice(["complete", "complete", "one", "disconnect", "abort"])
         out = 1 if kind == "one" else rng.choice(z["outs"])
-        jobs.append({"i": i, "ids": ids, "kind": kind, "max_new_tokens": out})
+        # a quarter of the requests ask for dense decoding, a quarter for half the budget (custom_params)
+        asked = [None, "off", None, {"token_budget": z["budget"] // 2}][i // 2 % 4]
+        jobs.append({"i": i, "ids": ids, "kind": kind, "max_new_tokens": out, "sparse_kv": asked})
     return jobs
 
 
 def run_job(url: str, job: dict) -> dict:
     body = {"input_ids": job["ids"], "rid": f"stress-{job['i']:05d}",  # fixed width: SGLang aborts by rid prefix
             "sampling_params": {"max_new_tokens": job["max_new_tokens"], "temperature": 0, "ignore_eos": True}}
+    if job.get("sparse_kv") is not None:
+        body["sampling_params"]["custom_params"] = {"sparse_kv": job["sparse_kv"]}
     t0 = time.perf_counter()
     res = {"i": job["i"], "kind": job["kind"], "len": len(job["ids"])}
     try:
@@ -147,6 +153,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=1, help="SGLang's KV page (the paged allocator and radix tree)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="SGLang's flag, for both servers (fp8_e4m3: fp8 KV)")
     a = ap.parse_args()
     import torch
 
@@ -154,7 +161,8 @@ def main():
     jobs = plan(a.seed, a.size)
     res = {"device": "cpu" if cpu else torch.cuda.get_device_name(),
            "settings": {k: v for k, v in vars(a).items() if k != "out"},
-           "gpus": 0 if cpu else torch.cuda.device_count(), "server_args": server_args(a.size, a.tp_size, a.page_size),
+           "gpus": 0 if cpu else torch.cuda.device_count(),
+           "server_args": server_args(a.size, a.tp_size, a.page_size, a.kv_cache_dtype),
            "budget": z["budget"]}
     cfg = {"token_budget": z["budget"]}
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",

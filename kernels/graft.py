@@ -176,13 +176,14 @@ def graft_chunks(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: torch.T
     G = jobs.shape[1]
     if G == 0:
         return
-    Ls, F, H, D = pools.fmu.shape
+    Ls, F, H, D = pools.fine_mu.shape
     _graft_kernel[(G, Ls * H)](
         keys, jobs, lengths, starts,
-        pools.fmu, pools.fsc, pools.fr, pools.fn, pools.ftok, pools.fpar, pools.cmu, pools.csc, pools.cr, pools.cn,
-        pools.ctok,
-        pools.kfine, pools.kstart, pools.klen, pools.fbox, keys.stride(0), keys.stride(1), keys.stride(2),
-        pools.fr.stride(0), pools.cr.stride(0), pools.kfine.stride(0), jobs.stride(0), jobs.stride(1),
+        pools.fine_mu, pools.fine_scale, pools.fine_r, pools.fine_n, pools.fine_tokens, pools.fine_parent,
+        pools.coarse_mu, pools.coarse_scale, pools.coarse_r, pools.coarse_n, pools.coarse_tokens,
+        pools.chunk_fine, pools.chunk_start, pools.chunk_len, pools.fine_box,
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        pools.fine_r.stride(0), pools.coarse_r.stride(0), pools.chunk_fine.stride(0), jobs.stride(0), jobs.stride(1),
         H=H, D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_L=64, BOX=pools.box)
 
 
@@ -190,9 +191,9 @@ def precompile_graft(pools, key_dtype: torch.dtype) -> None:
     """Compile the graft kernel for ``pools`` now: one launch of one job of no chunks, which writes nothing. Grafts
     run outside the CUDA graph, so its first compile (about a second) would otherwise stall the whole decode batch
     of the first request that grafts. The variant is the one serving uses (see the kernel's specializations)."""
-    Ls, _, H, D = pools.fmu.shape
+    Ls, _, H, D = pools.fine_mu.shape
     if Ls == 0:
         return
-    payload = torch.tensor(graft_payload([GraftJob(0, 0, 0, 0, 0, 0)], [0], [0]), device=pools.fmu.device)
-    keys = torch.zeros(Ls, 1, H, pools.key_vecs, D, dtype=key_dtype, device=pools.fmu.device)
+    payload = torch.tensor(graft_payload([GraftJob(0, 0, 0, 0, 0, 0)], [0], [0]), device=pools.fine_mu.device)
+    keys = torch.zeros(Ls, 1, H, pools.key_vecs, D, dtype=key_dtype, device=pools.fine_mu.device)
     graft_chunks(pools, keys, *graft_args(payload, 1, 1))

@@ -89,7 +89,8 @@ def pool_units(k_buffer: torch.Tensor, token_slots: torch.Tensor, indptr: torch.
     return out
 
 
-_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+       torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 
 def pool_units_layers(k_ptrs: torch.Tensor, k0: torch.Tensor, token_slots: torch.Tensor, indptr: torch.Tensor,

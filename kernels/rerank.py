@@ -46,7 +46,7 @@ def _score_kernel(Q, K, Cand, CandLens, Logits, Stats, Heads, R, sm_scale, strid
     for blk in range(lo, hi, BLOCK_N):
         offs_n = blk + tl.arange(0, BLOCK_N)
         _, valid, k = _slot_tile(Cand + lst * CAPC, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D, BLOCK_N)
-        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         tl.store(rows + offs_n[None, :], s, mask=gmask[:, None] & valid[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))

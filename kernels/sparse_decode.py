@@ -124,15 +124,15 @@ def _partial_kernel(Q, K, V, Indptr, Lens, ListRows, Indices, OPart, LsePart, sm
     for blk in range(lo, hi, BLOCK_N):
         slot, valid, k = _list_and_tail_tile(src, n_list, tail, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D,
                                              BLOCK_N)
-        s = tl.dot(q, tl.trans(k)) * sm_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale   # fp8 KV dequantizes on load
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vn + h * stride_vh + offs_d[None, :],
-                    mask=valid[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                    mask=valid[:, None] & dmask[None, :], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         m_i = m_new
 
     has = l_i > 0

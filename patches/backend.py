@@ -23,6 +23,7 @@ from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.kernels.page_table import PageTableWriter
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches import surface
+from sgl_sparsekv import request_control
 from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -172,8 +173,8 @@ class SparseKVAttnBackend(AttentionBackend):
             cfg, num_layers=runner.model_config.num_hidden_layers, num_kv_heads=k0.shape[1], kv_shard=shard,
             head_dim=k0.shape[2], num_slots=k0.shape[0], device=self.device,
             boundary_table=_boundary_table(runner, cfg),
-            # chunk keys in bf16 on GPU, as the KV; fp32 on CPU, where the twins run
-            key_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16)
+            # chunk keys in bf16 on GPU, as the model; fp32 on CPU, where the twins run
+            key_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16, kv_dtype=k0.dtype)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         self.decode_sparse = False
         self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
@@ -230,9 +231,13 @@ class SparseKVAttnBackend(AttentionBackend):
         reqs, self.batch_reqs = self.batch_reqs, None
         if mode.is_idle():
             return
+        budgets = None
         if reqs is not None and len(reqs) == bs:
             rows = [r.req_pool_idx for r in reqs]
             tokens = [ReqTokens(r) for r in reqs]
+            asked = [request_control.requested(r.sampling_params.custom_params) for r in reqs]
+            if any(a is not None for a in asked):   # checked when the request arrived (plugin.check_request)
+                budgets = [request_control.parse(a, self.cfg) for a in asked]
         else:   # a batch SGLang built without ForwardBatch.init_new: rows from the device, no chunk cuts this step
             rows = forward_batch.req_pool_indices[:bs].tolist()
             tokens = [None] * bs
@@ -249,7 +254,7 @@ class SparseKVAttnBackend(AttentionBackend):
                 self.active = self._big
             self.active.prepare(rows, seq_lens, padded_bs or bs, req_to_token, tokens,
                                 self.token_to_kv_pool.get_key_buffer, attends=self.decode_sparse,
-                                eager=padded_bs is None)
+                                eager=padded_bs is None, budgets=budgets)
             if sparse:
                 self.manager.stats.sparse_steps += 1
             else:
@@ -257,7 +262,7 @@ class SparseKVAttnBackend(AttentionBackend):
             self.export_metrics()
         else:
             self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens, req_to_token,
-                                        tokens)
+                                        tokens, budgets)
             # the prompt is complete when the batch reaches its last token (else a chunked prefill goes on)
             self.extend_rows = (rows, [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)])
             self._maybe_log()
@@ -285,11 +290,18 @@ class SparseKVAttnBackend(AttentionBackend):
         if not self.decode_sparse or not self.manager.is_sparse_layer(lid):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v,
+                                                k_scale=layer.k_scale, v_scale=layer.v_scale)
+        # fp8 KV holds k / k_scale and v / v_scale (SGLang's convention): the scales fold into the softmax's scale
+        # and the output, as SGLang's triton backend applies them
+        scaled = layer.k_scale is not None and layer.v_scale is not None
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = self.active.attend(q, self.token_to_kv_pool.get_key_buffer(lid),
                                  self.token_to_kv_pool.get_value_buffer(lid), lid - self.cfg.dense_layers,
-                                 self.req_to_token_pool.req_to_token, layer.scaling)
+                                 self.req_to_token_pool.req_to_token,
+                                 layer.scaling * (layer.k_scale_float if scaled else 1.0))
+        if scaled and layer.v_scale_float != 1.0:
+            out = out * layer.v_scale_float
         return out.view(q.shape[0], -1)
 
     # ------------------------------------------------------------------ delegated

@@ -10,6 +10,8 @@ from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.tensor_parallel import KVShard
 
 SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
+# fp8 KV: the sparse kernels and their twins dequantize on load (SGLang stores k / k_scale, v / v_scale)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
 _HYBRID_ARCH_MARKS = ("mamba", "jamba", "nemotronh", "qwen3next", "falconh1", "granitemoehybrid", "lfm2",
                       "kimilinear", "minimax", "rwkv", "zamba", "plamo2")
@@ -41,8 +43,8 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
         value = getattr(sa, attr)   # one of SERVER_ARGS_FIELDS
         if value is not None and value not in SUPPORTED_BACKENDS:
             bad(f"{flag} {value}", f"is not supported; use one of {', '.join(SUPPORTED_BACKENDS)}")
-    if sa.kv_cache_dtype not in ("auto", "bfloat16", "bf16", "float16", "fp16"):
-        bad(f"--kv-cache-dtype {sa.kv_cache_dtype}", "is not supported yet (quantized KV)")
+    if sa.kv_cache_dtype not in KV_CACHE_DTYPES:
+        bad(f"--kv-cache-dtype {sa.kv_cache_dtype}", f"is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
     if sa.is_embedding:
         bad("--is-embedding", "has no decode phase to sparsify")
     graphs = sa.cuda_graph_config

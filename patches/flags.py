@@ -13,6 +13,8 @@ import logging
 from sgl_sparsekv.config import METHODS, ConfigError, SparseKVConfig
 
 logger = logging.getLogger("sgl_sparsekv")
+# the config this process parsed last (the launcher's, where the tokenizer manager checks requests against it)
+ACTIVE: SparseKVConfig | None = None
 
 
 def add_cli_args(original, parser: argparse.ArgumentParser):
@@ -31,12 +33,14 @@ def attach(server_args, method: str, overrides) -> None:
     from sgl_sparsekv.patches.checks import check_server_args
     from sgl_sparsekv.patches.surface import check_sglang
 
+    global ACTIVE
     cfg = SparseKVConfig.from_method(method, overrides)
     if cfg.enabled:
         check_sglang()
         check_server_args(server_args, cfg)
     server_args.sparse_kv = cfg.method
     server_args.sparse_kv_config = cfg.to_dict()
+    ACTIVE = cfg
 
 
 BACKEND_FLAGS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")

@@ -135,6 +135,18 @@ def check_scheduler(result, scheduler, *args, **kwargs):
     return result
 
 
+def check_request(result, params, *args, **kwargs):
+    """After SGLang verifies a request's sampling params (the tokenizer manager, as the request arrives): its
+    ``custom_params`` sparse-kv setting must be one this server can honour (``request_control``); else the
+    request is refused with one line (HTTP 400), before it is scheduled."""
+    from sgl_sparsekv import request_control
+
+    asked = request_control.requested(params.custom_params)
+    if asked is not None and flags.ACTIVE is not None:
+        request_control.parse(asked, flags.ACTIVE)
+    return result
+
+
 def on_scheduler_idle(scheduler, *args, **kwargs):
     """Before SGLang's idle housekeeping: apply the frees of the last requests, so idle state reads as idle."""
     backend = _sparse_backend(scheduler)
@@ -155,6 +167,7 @@ _HOOKS = {
     "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),
     "check_scheduler": (check_scheduler, HookType.AFTER),
     "on_scheduler_idle": (on_scheduler_idle, HookType.BEFORE),
+    "check_request": (check_request, HookType.AFTER),
 }
 
 

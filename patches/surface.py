@@ -37,6 +37,8 @@ HOOK_TARGETS = {
     "add_stats_to_internal_state": "sglang.srt.managers.scheduler.Scheduler.get_internal_state",
     "check_scheduler": "sglang.srt.managers.scheduler.Scheduler.__init__",
     "on_scheduler_idle": "sglang.srt.managers.scheduler.Scheduler.on_idle",
+    # the tokenizer manager checks each request's sampling params with it as the request arrives
+    "check_request": "sglang.srt.sampling.sampling_params.SamplingParams.verify",
 }
 
 # names imported from SGLang by patches/
@@ -78,7 +80,10 @@ FORWARD_BATCH_FIELDS = ("forward_mode", "batch_size", "req_pool_indices", "seq_l
 
 # the request fields read from ScheduleBatch.reqs (set in Req.__init__)
 REQ = "sglang.srt.managers.schedule_batch.Req"
-REQ_FIELDS = ("origin_input_ids", "output_ids", "req_pool_idx")
+REQ_FIELDS = ("origin_input_ids", "output_ids", "req_pool_idx", "sampling_params")
+# a request's own sparse-kv setting (sgl_sparsekv/request_control.py), a field of the msgspec Struct
+SAMPLING_PARAMS = "sglang.srt.sampling.sampling_params.SamplingParams"
+SAMPLING_PARAMS_FIELDS = ("custom_params",)
 
 # instance attributes read or patched in the scheduler process
 RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "tp_rank", "is_draft_worker",
@@ -130,6 +135,9 @@ def check_sglang() -> None:
         for f in names:
             if f not in fields:
                 _fail(f"{cls}.{f}")
+    for f in SAMPLING_PARAMS_FIELDS:
+        if f not in getattr(_resolve(SAMPLING_PARAMS), "__struct_fields__", ()):
+            _fail(f"{SAMPLING_PARAMS}.{f}")
     for f in GRAPH_REPLAY_FIELDS:
         if f"{f}=" not in source:
             _fail(f"the field {f} of the replay view that {GRAPH_RUNNER} builds")

@@ -137,15 +137,17 @@ class IndexPools:
         def mu(rows):
             return torch.zeros(layers, rows, heads, head_dim, dtype=CODE_DTYPE, device=device)
 
-        self.cmu, self.csc, self.cr, self.ctok, self.cn = mu(cap.coarse), *(f32(layers, cap.coarse, heads)
-                                                                            for _ in range(4))
-        self.fmu, self.fsc, self.fr, self.ftok, self.fn = mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(4))
-        self.fpar = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
+        # the fields of ``index.ClusterIndex``, one row per cluster (centroids as codes beside their scales)
+        self.coarse_mu, self.coarse_scale, self.coarse_r, self.coarse_tokens, self.coarse_n = (
+            mu(cap.coarse), *(f32(layers, cap.coarse, heads) for _ in range(4)))
+        self.fine_mu, self.fine_scale, self.fine_r, self.fine_tokens, self.fine_n = (
+            mu(cap.fine), *(f32(layers, cap.fine, heads) for _ in range(4)))
+        self.fine_parent = torch.zeros(layers, cap.fine, heads, dtype=torch.int32, device=device)
         self.box = box
-        self.fbox = torch.zeros(layers, cap.fine, heads, 2, head_dim if box else 0, dtype=BOX_DTYPE, device=device)
-        self.kfine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
-        self.kstart = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
-        self.klen = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
+        self.fine_box = torch.zeros(layers, cap.fine, heads, 2, head_dim if box else 0, dtype=BOX_DTYPE, device=device)
+        self.chunk_fine = torch.zeros(layers, cap.chunks, heads, dtype=torch.int32, device=device)
+        self.chunk_start = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
+        self.chunk_len = torch.zeros(cap.chunks, dtype=torch.int32, device=device)
         self.alloc = {"coarse": RangeAllocator(cap.coarse), "fine": RangeAllocator(cap.fine),
                       "chunks": RangeAllocator(cap.chunks)}
         self.capacity = cap
@@ -196,21 +198,23 @@ class IndexPools:
         assert 0 <= rng.coarse_at and rng.coarse_at + rng.coarse <= cap.coarse, ("coarse range", rng)
         assert 0 <= rng.fine_at and rng.fine_at + rng.fine <= cap.fine, ("fine range", rng)
         assert 0 <= rng.chunk_at and rng.chunks <= rng.chunk_rows and rng.chunk_at + rng.chunk_rows <= cap.chunks, ("chunk range", rng)
-        par = self.fpar[:, rng.fine_at:rng.fine_at + rng.fine]
-        kf = self.kfine[:, rng.chunk_at:rng.chunk_at + rng.chunks]
+        par = self.fine_parent[:, rng.fine_at:rng.fine_at + rng.fine]
+        kf = self.chunk_fine[:, rng.chunk_at:rng.chunk_at + rng.chunks]
         assert int(par.min()) >= 0 and int(par.max()) < rng.coarse, ("fine parents", rng)
         if rng.chunks:
             assert int(kf.min()) >= 0 and int(kf.max()) < rng.fine, ("chunk clusters", rng)
 
     def layer(self, l: int) -> tuple[CoarseRows, FineRows, ChunkRows]:
         """Views of sparse layer ``l``'s pools in the layout ``kernels/select.py`` reads."""
-        return (CoarseRows(Centroids(self.cmu[l], self.csc[l]), self.cr[l], self.ctok[l]),
-                FineRows(Centroids(self.fmu[l], self.fsc[l]), self.fr[l], self.ftok[l], self.fpar[l]),
-                ChunkRows(self.kfine[l], self.kstart, self.klen))
+        return (CoarseRows(Centroids(self.coarse_mu[l], self.coarse_scale[l]), self.coarse_r[l],
+                           self.coarse_tokens[l]),
+                FineRows(Centroids(self.fine_mu[l], self.fine_scale[l]), self.fine_r[l], self.fine_tokens[l],
+                         self.fine_parent[l]),
+                ChunkRows(self.chunk_fine[l], self.chunk_start, self.chunk_len))
 
     def box_layer(self, l: int):
         """Sparse layer ``l``'s fine boxes [F, H, 2, d], or None without them (``kernels/select.py``)."""
-        return self.fbox[l] if self.box else None
+        return self.fine_box[l] if self.box else None
 
     def view(self, co: int, fo: int, L: int) -> ClusterIndex:
         """The rows of one range as a ClusterIndex of [Ls, H, ...] tensors, coarse rows from ``co`` up to the last
@@ -220,25 +224,28 @@ class IndexPools:
             return x.transpose(1, 2)
 
         f = slice(fo, fo + L)
-        c = slice(co, co + int(self.fpar[:, f].max()) + 1)
-        return ClusterIndex(fine_mu=t(dequantize(self.fmu[:, f], self.fsc[:, f])), fine_r=t(self.fr[:, f]),
-                            fine_n=t(self.fn[:, f]), fine_tokens=t(self.ftok[:, f]), fine_parent=t(self.fpar[:, f]),
-                            coarse_mu=t(dequantize(self.cmu[:, c], self.csc[:, c])), coarse_r=t(self.cr[:, c]),
-                            coarse_n=t(self.cn[:, c]), coarse_tokens=t(self.ctok[:, c]), chunk_fine=t(self.kfine[:, :0]),
+        c = slice(co, co + int(self.fine_parent[:, f].max()) + 1)
+        return ClusterIndex(fine_mu=t(dequantize(self.fine_mu[:, f], self.fine_scale[:, f])),
+                            fine_r=t(self.fine_r[:, f]), fine_n=t(self.fine_n[:, f]),
+                            fine_tokens=t(self.fine_tokens[:, f]), fine_parent=t(self.fine_parent[:, f]),
+                            coarse_mu=t(dequantize(self.coarse_mu[:, c], self.coarse_scale[:, c])),
+                            coarse_r=t(self.coarse_r[:, c]), coarse_n=t(self.coarse_n[:, c]),
+                            coarse_tokens=t(self.coarse_tokens[:, c]), chunk_fine=t(self.chunk_fine[:, :0]),
                             fine_box=t(self._box(f)))
 
     def store_view(self, view: ClusterIndex, co: int, fo: int) -> None:
         """Write the centroids and boxes of :meth:`view`'s index back (unchanged rows store as they were)."""
-        for codes, scale, mu, start in ((self.fmu, self.fsc, view.fine_mu, fo), (self.cmu, self.csc, view.coarse_mu, co)):
+        for codes, scale, mu, start in ((self.fine_mu, self.fine_scale, view.fine_mu, fo),
+                                        (self.coarse_mu, self.coarse_scale, view.coarse_mu, co)):
             rows = slice(start, start + mu.shape[2])
             codes[:, rows], scale[:, rows] = quantize(mu.transpose(1, 2))
         if self.box:
             rows = slice(fo, fo + view.fine_box.shape[2])
-            self.fbox[:, rows] = quantize_box(view.fine_box.transpose(1, 2))
+            self.fine_box[:, rows] = quantize_box(view.fine_box.transpose(1, 2))
 
     def _box(self, f: slice) -> torch.Tensor:
         """fp32 boxes [Ls, L, H, 2, d] of fine rows ``f`` (d = 0 without boxes)."""
-        return self.fbox[:, f].float()
+        return self.fine_box[:, f].float()
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         """[Ls*H, N, ...] (ClusterIndex, layer-major heads) -> [Ls, N, H, ...] (pool rows)."""
@@ -254,19 +261,22 @@ class IndexPools:
         rng = self._alloc(P, L, M + room)
         if rng is None:
             return None
-        c, f, k = slice(rng.coarse_at, rng.coarse_at + P), slice(rng.fine_at, rng.fine_at + L), slice(rng.chunk_at, rng.chunk_at + M)
-        for dst, src in ((self.cmu, ix.coarse_mu), (self.csc, packed.coarse_scale), (self.cr, ix.coarse_r),
-                         (self.ctok, ix.coarse_tokens), (self.cn, ix.coarse_n)):
+        c, f = slice(rng.coarse_at, rng.coarse_at + P), slice(rng.fine_at, rng.fine_at + L)
+        k = slice(rng.chunk_at, rng.chunk_at + M)
+        for dst, src in ((self.coarse_mu, ix.coarse_mu), (self.coarse_scale, packed.coarse_scale),
+                         (self.coarse_r, ix.coarse_r), (self.coarse_tokens, ix.coarse_tokens),
+                         (self.coarse_n, ix.coarse_n)):
             dst[:, c] = self._split(src)
-        for dst, src in ((self.fmu, ix.fine_mu), (self.fsc, packed.fine_scale), (self.fr, ix.fine_r),
-                         (self.ftok, ix.fine_tokens), (self.fn, ix.fine_n), (self.fpar, ix.fine_parent)):
+        for dst, src in ((self.fine_mu, ix.fine_mu), (self.fine_scale, packed.fine_scale), (self.fine_r, ix.fine_r),
+                         (self.fine_tokens, ix.fine_tokens), (self.fine_n, ix.fine_n),
+                         (self.fine_parent, ix.fine_parent)):
             dst[:, f] = self._split(src)
         if self.box:
             assert ix.has_box, "an index without fine boxes loaded into pools with them"
-            self.fbox[:, f] = self._split(ix.fine_box)
-        self.kfine[:, k] = self._split(ix.chunk_fine)
-        self.kstart[k] = starts.to(torch.int32)
-        self.klen[k] = lengths.to(torch.int32)
+            self.fine_box[:, f] = self._split(ix.fine_box)
+        self.chunk_fine[:, k] = self._split(ix.chunk_fine)
+        self.chunk_start[k] = starts.to(torch.int32)
+        self.chunk_len[k] = lengths.to(torch.int32)
         rng.chunks = M
         return rng
 
@@ -289,7 +299,7 @@ class IndexPools:
 
     def lengths(self, *segments: PoolRanges) -> torch.Tensor:
         """Tokens per chunk of the segments' chunks, in union order (on the device)."""
-        return torch.cat([self.klen[rng.chunk_at:rng.chunk_at + rng.chunks] for rng in segments])
+        return torch.cat([self.chunk_len[rng.chunk_at:rng.chunk_at + rng.chunks] for rng in segments])
 
     def _gather(self, segments: tuple[PoolRanges, ...]) -> PackedIndex:
         """The segments' rows joined in ``index.union``'s order, each field copied once: a later segment's fine
@@ -307,14 +317,14 @@ class IndexPools:
         def before(sizes):
             return [sum(sizes[:i]) for i in range(len(sizes))]
 
-        ix = ClusterIndex(fine_mu=rows(self.fmu, fine), fine_r=rows(self.fr, fine), fine_n=rows(self.fn, fine),
-                          fine_tokens=rows(self.ftok, fine),
-                          fine_parent=rows(self.fpar, fine, before([r.coarse for r in segments])),
-                          coarse_mu=rows(self.cmu, coarse), coarse_r=rows(self.cr, coarse),
-                          coarse_n=rows(self.cn, coarse), coarse_tokens=rows(self.ctok, coarse),
-                          chunk_fine=rows(self.kfine, chunks, before([r.fine for r in segments])),
-                          fine_box=rows(self.fbox, fine))
-        return PackedIndex(ix, fine_scale=rows(self.fsc, fine), coarse_scale=rows(self.csc, coarse))
+        ix = ClusterIndex(fine_mu=rows(self.fine_mu, fine), fine_r=rows(self.fine_r, fine),
+                          fine_n=rows(self.fine_n, fine), fine_tokens=rows(self.fine_tokens, fine),
+                          fine_parent=rows(self.fine_parent, fine, before([r.coarse for r in segments])),
+                          coarse_mu=rows(self.coarse_mu, coarse), coarse_r=rows(self.coarse_r, coarse),
+                          coarse_n=rows(self.coarse_n, coarse), coarse_tokens=rows(self.coarse_tokens, coarse),
+                          chunk_fine=rows(self.chunk_fine, chunks, before([r.fine for r in segments])),
+                          fine_box=rows(self.fine_box, fine))
+        return PackedIndex(ix, fine_scale=rows(self.fine_scale, fine), coarse_scale=rows(self.coarse_scale, coarse))
 
     def add_chunks(self, rng: PoolRanges, n: int) -> int | None:
         """Reserve the next ``n`` chunk rows of a range (moving it to a bigger range when it lacks room); the
@@ -329,9 +339,9 @@ class IndexPools:
                 return None
             old = slice(rng.chunk_at, rng.chunk_at + rng.chunks)
             dst = slice(new, new + rng.chunks)
-            self.kfine[:, dst] = self.kfine[:, old]
-            self.kstart[dst] = self.kstart[old]
-            self.klen[dst] = self.klen[old]
+            self.chunk_fine[:, dst] = self.chunk_fine[:, old]
+            self.chunk_start[dst] = self.chunk_start[old]
+            self.chunk_len[dst] = self.chunk_len[old]
             self.alloc["chunks"].free(rng.chunk_at, rng.chunk_rows)
             rng.chunk_at, rng.chunk_rows = new, size
         row = rng.chunk_at + rng.chunks

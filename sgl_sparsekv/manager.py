@@ -56,6 +56,7 @@ from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
 from sgl_sparsekv.kernels.pool import pool_units_layers, pool_units_ref
 from sgl_sparsekv.pool_ops import graft_chunks_ref
+from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.stats import Counters
 from sgl_sparsekv.store import UnitStore
 from sgl_sparsekv.tensor_parallel import KVShard
@@ -97,6 +98,8 @@ class RequestState:
     # that finishes before drops their keys: a later turn re-cuts those tokens, as it would past its cached index)
     unkeyed: list[int] = field(default_factory=list)
     lists: KeptLists | None = None
+    # its own token budget (``request_control``): None, the server's; 0 (OFF), dense decoding and no index placed
+    budget: int | None = None
 
     @property
     def indexed_end(self) -> int:
@@ -174,9 +177,10 @@ class SparseKVManager:
     def __init__(self, cfg: SparseKVConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  num_slots: int, device="cpu", boundary_table: BoundaryTable | None = None,
                  key_dtype: torch.dtype = torch.float32, use_kernels: bool | None = None,
-                 kv_shard: KVShard | None = None):
+                 kv_shard: KVShard | None = None, kv_dtype: torch.dtype | None = None):
         """``use_kernels``: Triton kernels (default on a CUDA device) or their torch twins. ``key_dtype``: the chunk
-        keys' (the KV's on the GPU). ``kv_shard``: which of the model's KV heads the ``num_kv_heads`` are (under
+        keys' (the model's on the GPU). ``kv_dtype``: the KV buffers' (fp8 when quantized), ``key_dtype`` by default.
+        ``kv_shard``: which of the model's KV heads the ``num_kv_heads`` are (under
         tensor parallelism); all of them by default."""
         assert cfg.enabled
         self.cfg = cfg
@@ -189,6 +193,7 @@ class SparseKVManager:
                                boundary_table if cfg.chunking == "structure" else None)
         sparse_layers = max(0, num_layers - cfg.dense_layers)
         self.key_dtype = key_dtype
+        self.kv_dtype = kv_dtype or key_dtype
         self.stats = Counters()
         self.store = UnitStore(num_slots, capacity=num_slots // cfg.chunk_min + 64, stats=self.stats)
         self.states: dict[int, RequestState] = {}
@@ -280,14 +285,16 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ per batch (forward thread)
     def prepare_extend(self, req_pool_indices: list[int], prefix_lens: list[int], seq_lens: list[int],
-                       req_to_token: torch.Tensor, tokens: list) -> PoolPlan:
-        """tokens: per request its token ids on the host, by position (at least its first ``seq_len``)."""
+                       req_to_token: torch.Tensor, tokens: list, budgets: list | None = None) -> None:
+        """tokens: per request its token ids on the host, by position (at least its first ``seq_len``); budgets: per
+        request its own token budget (``RequestState.budget``), None for the server's."""
         t0 = time.perf_counter()
         self.apply_frees()   # waits: a radix hit may reach units whose key slots are still on their way
         self.stats.extend_wait_s += time.perf_counter() - t0
         plan = PoolPlan(req_to_token)
         states = []
-        for idx, prefix, seq, toks in zip(req_pool_indices, prefix_lens, seq_lens, tokens):
+        budgets = budgets or [None] * len(req_pool_indices)
+        for idx, prefix, seq, toks, own in zip(req_pool_indices, prefix_lens, seq_lens, tokens, budgets):
             state = self.states.get(idx)
             if state is None or state.seq_len != prefix:
                 # a new request (maybe with a radix hit), or a row reused after a free we never saw
@@ -296,34 +303,33 @@ class SparseKVManager:
                 t0 = time.perf_counter()
                 self._adopt_prefix(state, req_to_token[idx, :prefix])
                 self.stats.extend_wait_s += time.perf_counter() - t0
-            state.seq_len = seq
-            self._cut(state, toks, idx, seq, plan)
+            state.seq_len, state.budget = seq, own
+            self._cut(state, toks, seq)
             states.append(state)
         self._read_keys(self._ask_keys(states, plan), plan)
-        return plan
 
     def _cut_decode(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                    tokens: list) -> tuple[PoolPlan, list[RequestState], list[RequestState], int]:
+                    tokens: list, budgets: list) -> tuple[PoolPlan, list[RequestState], list[RequestState], int]:
         """The step's cuts, in one pass over the batch that also finds what the pooled path must do (a served
         step starts with cold caches, where each further pass costs tens of microseconds): (plan, the requests'
         states, those past the budget whose index is not in the pools, steps until the first chunk an index in
         the pools lacks leaves the recent window)."""
         plan, states, unplaced, get, la = PoolPlan(req_to_token), [], [], self.states.get, self.chunker.lookahead
         budget, lag = self.cfg.token_budget, 1 << 62
-        for idx, seq, toks in zip(req_pool_indices, seq_lens, tokens):
+        for idx, seq, toks, own in zip(req_pool_indices, seq_lens, tokens, budgets):
             state = get(idx)
             if state is None:  # decode without a prefill we saw (e.g. a retracted request resumed)
                 state = self.states[idx] = RequestState(row=idx)
                 self._adopt_prefix(state, req_to_token[idx, :seq - 1])
                 self.stats.decode_host_syncs += 1
-            state.seq_len = seq
+            state.seq_len, state.budget = seq, own
             states.append(state)
             if toks is not None:
                 known = min(seq - 1, len(toks))
                 if known - (state.ends[-1] if state.ends else 0) >= la:   # _cut's guard, ahead of its call
-                    self._cut(state, toks, idx, known, plan)
+                    self._cut(state, toks, known)
             if state.pool is None:
-                if seq > budget and state.units:
+                if seq > budget and state.units and own != OFF:
                     unplaced.append(state)
             elif (i := state.pooled_chunks) < len(state.units):
                 lag = min(lag, state.starts[i] - seq)
@@ -350,7 +356,7 @@ class SparseKVManager:
         state.starts.extend(self.store.unit_start[found].tolist())   # host arrays: no device sync
         state.ends.extend(self.store.unit_end[found].tolist())
 
-    def _cut(self, state: RequestState, tokens, row: int, known: int, plan: PoolPlan) -> None:
+    def _cut(self, state: RequestState, tokens, known: int) -> None:
         """Cut every unit whose decision window lies inside the request's first ``known`` tokens: new units whose
         key slots the step reads back without waiting (``_ask_keys``); the next prefill's ``apply_frees`` waits
         for them, so a radix hit on them finds them (``_adopt_prefix``)."""
@@ -372,17 +378,19 @@ class SparseKVManager:
 
     # ------------------------------------------------------------------ decode over the index pools
     def prepare_decode_pooled(self, req_pool_indices: list[int], seq_lens: list[int], req_to_token: torch.Tensor,
-                              tokens: list, k_buffers) -> list[RequestState]:
+                              tokens: list, k_buffers, budgets: list | None = None) -> list[RequestState]:
         """Everything a decode step needs before its (graph-captured) layers run; the requests' states, which name
         their indexes' pool segments (``RequestState.pool``, ``shared``: none while a request has no index).
 
         k_buffers(l) -> the key buffer of model layer ``l``: the keys of the chunks grafted here are pooled from
         it, for every layer at once (their tokens precede the step's token, so their keys are all written).
+        budgets: per request its own token budget, as for :meth:`prepare_extend`.
         """
         t = [time.perf_counter()]
         self.apply_frees(wait=False)
         t.append(time.perf_counter())
-        plan, states, unplaced, lead = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens)
+        plan, states, unplaced, lead = self._cut_decode(req_pool_indices, seq_lens, req_to_token, tokens,
+                                                        budgets or [None] * len(req_pool_indices))
         t.append(time.perf_counter())
         if unplaced:   # normally placed when the prefill finished; here for requests that just passed the budget
             self._place(unplaced, req_to_token, k_buffers)
@@ -458,7 +466,7 @@ class SparseKVManager:
         n = 8
         if Ls == 0:
             return
-        kv = torch.zeros(n, H, d, dtype=self.key_dtype, device=self.device)
+        kv = torch.zeros(n, H, d, dtype=self.kv_dtype, device=self.device)
         ptrs = torch.full((Ls,), kv.data_ptr(), dtype=torch.int64, device=self.device)
         out = torch.empty(Ls, n, H, self.pools.key_vecs, d, dtype=self.key_dtype, device=self.device)
         every = torch.arange(n + 1, device=self.device)
@@ -468,7 +476,7 @@ class SparseKVManager:
 
     def _place(self, states: list[RequestState], req_to_token: torch.Tensor, k_buffers) -> None:
         for state in states:
-            if (state.pool is None and self.needs_sparse(state.seq_len) and state.units
+            if (state.pool is None and self.needs_sparse(state.seq_len) and state.units and state.budget != OFF
                     and state.unplaced_gen != self.pools.generation):
                 self._pool_index(state, req_to_token, k_buffers)
 

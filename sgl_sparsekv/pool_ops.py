@@ -45,8 +45,8 @@ def graft_chunks_ref(pools, keys: torch.Tensor, jobs: torch.Tensor, lengths: tor
         view = pools.view(c0, f0, L)
         for i in range(count):
             kr, row = k0 + i, row0 + i
-            pools.kstart[row] = starts[kr]
-            pools.klen[row] = lengths[kr]
+            pools.chunk_start[row] = starts[kr]
+            pools.chunk_len[row] = lengths[kr]
             box = keys[:, kr, :, 1:].float() if pools.box else None
-            pools.kfine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]), box)
+            pools.chunk_fine[:, row] = graft(view, keys[:, kr, :, 0].float(), float(lengths[kr]), box)
         pools.store_view(view, c0, f0)

@@ -48,6 +48,7 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, RequestRanges, Segment, a
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, KeptLists, SparseKVManager, logger
 from sgl_sparsekv.pool_ops import select_fine_ref
+from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.transfer import StagedUpload
 
 SPLITS = 8  # flash-decoding splits of a list
@@ -228,14 +229,16 @@ class PooledDecode:
         self.own_order = False
 
     def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers,
-                attends: bool = True, eager: bool = False) -> None:
+                attends: bool = True, eager: bool = False, budgets: list | None = None) -> None:
         """Host work of a decode step (no device read): tokens are the requests' host token ids. ``attends``: the
         step runs the sparse layers through ``attend`` (an eager step that SGLang's own backend decodes does not:
         it writes no lists, so none are kept from it). ``eager``: the step runs outside a CUDA graph, so with
-        select_ahead a first decode step may select before it attends."""
+        select_ahead a first decode step may select before it attends. ``budgets``: per request its own token
+        budget (``request_control``; None: the server's): a row's cut takes its budget's tokens, and a request
+        that asked for ``OFF`` attends to its whole sequence, in the same captured graphs."""
         m = self.manager
         t0 = time.perf_counter()
-        states = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers)
+        states = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers, budgets)
         self.own_order = False
         if attends:
             table = (self._table_ahead(rows, seq_lens, states, eager) if self.ahead
@@ -252,8 +255,10 @@ class PooledDecode:
         table = []
         so, room, reused = 0, self.scratch[0].shape[1], 0
         batch = {id(st) for st in states} if every > 1 else None
-        direct_lens = []
         for i, (row, S, state) in enumerate(zip(rows, seq_lens, states)):
+            if state.budget == OFF:
+                table.append(self._dense_row(row, S, state))
+                continue
             list_row, fresh, tail_from = (i, 1, S) if every == 1 else self._list_row(state, S, i, batch)
             ranges = _index_ranges(state, so)
             indexed = ranges is not None
@@ -264,15 +269,15 @@ class PooledDecode:
                 ranges = UNPLACED
             direct = m.needs_sparse(S) and not placed   # past the budget without its index: the whole sequence
             if direct:
-                direct_lens.append(S)
+                m.stats.dense_fallback_steps += 1
                 if indexed and fresh:
                     self._scratch_full()
                 if state.lists is not None:   # its lists are not written this step: it keeps the row, selects
                     state.lists = KeptLists(self, list_row, -every)   # at the next step
-            table.append(StepRow(ranges, row, S, self.cut, direct, fresh and not direct, list_row, tail_from))
+            table.append(StepRow(ranges, row, S, self._budget(state, self.cut), direct, fresh and not direct,
+                                 list_row, tail_from))
             reused += not (fresh or direct)
-        self._count(seq_lens, direct_lens, reused)
-        m.stats.dense_fallback_steps += len(direct_lens)
+        self._count(table, states, reused)
         return table
 
     def _table_ahead(self, rows, seq_lens, states, eager: bool) -> list[StepRow]:
@@ -286,8 +291,10 @@ class PooledDecode:
         table = []
         so, room = 0, self.scratch[0].shape[1]
         batch = {id(st) for st in states}
-        direct_lens = []
         for row, S, state in zip(rows, seq_lens, states):
+            if state.budget == OFF:
+                table.append(self._dense_row(row, S, state))
+                continue
             list_row, selected = self._ahead_row(state, S, batch)
             ranges = _index_ranges(state, so)
             indexed = ranges is not None
@@ -306,12 +313,24 @@ class PooledDecode:
             else:   # past the budget without its index: its next step attends to the whole sequence
                 m.stats.dense_fallback_steps += 1
             if selected is None:
-                direct_lens.append(S)
                 m.stats.unselected_steps += m.needs_sparse(S)
-            table.append(StepRow(ranges, row, S, self.retrieve, selected is None, selects, list_row,
-                                 S if selected is None else selected))
-        self._count(seq_lens, direct_lens, 0)
+            table.append(StepRow(ranges, row, S, self._budget(state, self.retrieve), selected is None, selects,
+                                 list_row, S if selected is None else selected))
+        self._count(table, states, 0)
         return table
+
+    def _budget(self, state, server: int) -> int:
+        """A row's cut: ``server`` (the server's: retrieved tokens, times the rerank factor for the candidates), or
+        the same for the request's own budget."""
+        if state.budget is None:
+            return server
+        return (state.budget - self.cfg.sink_tokens - self.cfg.recent_window) * (server // self.retrieve)
+
+    def _dense_row(self, row: int, S: int, state) -> StepRow:
+        """The row of a request that asked for dense decoding: its whole sequence, no selection, no lists kept."""
+        state.lists = None
+        self.manager.stats.requested_dense_steps += self.manager.needs_sparse(S)
+        return StepRow(UNPLACED, row, S, 0, direct=1, fresh=0, list_row=0, tail_from=S)
 
     def _upload(self, table: list[StepRow], bs: int, padded_bs: int, r2t_shape) -> None:
         """The step's table, padded to the captured batch size, to the device."""
@@ -324,20 +343,23 @@ class PooledDecode:
             check_table(view[:, :padded_bs], bs, self.manager.pools.capacity, self.scratch[0].shape[1], r2t_shape)
         self.staging.upload()
 
-    def _count(self, seq_lens: list[int], direct_lens: list[int], reused: int) -> None:
-        """A step's counters: tokens of context, tokens attended (the whole sequence of a direct row, else at most
-        the budget), tokens scored by a rerank (its candidates), rows that reused lists. One loop per list: each
-        further generator costs a served step, cold, tens of microseconds."""
-        m, budget, cap = self.manager, self.cfg.token_budget, self.cap_c if self.cfg.rerank_factor > 1 else 0
+    def _count(self, table: list[StepRow], states, reused: int) -> None:
+        """A step's counters: tokens of context, tokens attended (the whole sequence of a direct row or one within
+        the budget, else its budget), tokens scored by a rerank (its candidates), rows that reused lists."""
+        cfg = self.cfg
+        m, budget, f = self.manager, cfg.token_budget, cfg.rerank_factor
+        cap = self.cap_c if f > 1 else 0
         context = attended = scored = 0
-        for S in seq_lens:
+        for step, state in zip(table, states):
+            S = step.seq
             context += S
-            attended += min(S, budget)
-            if S > budget:   # a row past the budget that selects scores its candidates
-                scored += min(S, cap)
-        for S in direct_lens:   # a direct row attends to its whole sequence and scores none
-            attended += S - min(S, budget)
-            scored -= min(S, cap)
+            if step.direct or S <= budget:
+                attended += S
+                continue
+            own = state.budget   # its own budget (request_control), else the server's
+            attended += own or budget
+            if cap:   # a row past the budget that selects scores its candidates
+                scored += min(S, own + (f - 1) * (own - cfg.sink_tokens - cfg.recent_window) if own else cap)
         m.stats.context_tokens += context
         m.stats.attended_tokens += attended
         if cap:

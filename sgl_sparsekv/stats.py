@@ -31,6 +31,8 @@ class Counters:
     decode_host_syncs: int = _counter("Decode steps that read batch facts back from the GPU (0 while SGLang builds "
                                       "batches through ForwardBatch.init_new).")
     upload_fresh_buffers: int = _counter("Decode steps whose table upload took a fresh pinned buffer.", export=False)
+    requested_dense_steps: int = _counter("Request decode steps past the budget run densely because the request asked "
+                                          "for it (custom_params sparse_kv \"off\").")
     # fallbacks: each is a request step decoded densely (never on less context)
     index_pool_full: int = _counter("Times an index found no room in the GPU index pools.")
     dense_fallback_steps: int = _counter("Request decode steps run densely because their index had no room in the "

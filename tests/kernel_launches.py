@@ -19,7 +19,8 @@ import sys
 import tempfile
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "uint8": "u8", "int16": "i16",
-          "int32": "i32", "int64": "i64", "bool": "i1", "float8_e4m3fn": "fp8e4nv"}
+          "int32": "i32", "int64": "i64", "bool": "i1", "float8_e4m3fn": "fp8e4nv",
+          "float8_e5m2": "fp8e5"}
 OPTIONS = ("num_warps", "num_stages")
 LAUNCHES: dict[str, dict] = {}
 ELSEWHERE = False   # set by conftest.py while a test of the other half of a `pytest -n 2` run runs here

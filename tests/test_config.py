@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sgl_sparsekv import request_control
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.patches.checks import check_model, check_server_args
 from sgl_sparsekv.patches.flags import choose_backend, wrapped_backend
@@ -115,11 +116,18 @@ def _sa(**kw):
     (dict(attention_backend="fa3"), "--attention-backend fa3 is not supported"),
     (dict(decode_attention_backend="trtllm_mha"), "--decode-attention-backend trtllm_mha"),
     (dict(is_embedding=True), "--is-embedding"),
+    (dict(kv_cache_dtype="fp4_e2m1"), "--kv-cache-dtype fp4_e2m1 is not supported; use one of auto,"),
 ])
 def test_unsupported_server_flags(kw, needle):
     with pytest.raises(ConfigError, match=None) as e:
         check_server_args(_sa(**kw), SparseKVConfig.from_method("lychee"))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("method", ["lychee", "quest"])
+@pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_is_accepted(method, dtype):
+    check_server_args(_sa(kv_cache_dtype=dtype), SparseKVConfig.from_method(method))
 
 
 def test_disable_radix_cache_is_fine():
@@ -354,3 +362,28 @@ def test_benchmark_variants_named_expand_n_expand_n_times_the_budget():
                 assert cfg.expansion(retrieved) == float(factor), (name, budget)
             checked += 1
     assert checked >= 5   # fidelity's 8, 16, 32 and rerank-2-expand-8; gpu_serving's 8
+
+
+@pytest.mark.parametrize("value,want", [(None, None), ("off", 0), ({"token_budget": 512}, 512),
+                                        ({"token_budget": 1024}, None), ({"token_budget": 81}, 81)])
+def test_request_control_reads_a_requests_budget(value, want):
+    assert request_control.parse(value, SparseKVConfig.from_method("lychee")) == want
+
+
+@pytest.mark.parametrize("method,value,needle", [
+    ("lychee", "dense", "expected \"off\" or {\"token_budget\": N}, got 'dense'"),
+    ("lychee", {"token_budget": 2048}, "token_budget 2048 is outside (80, 1024]"),
+    ("lychee", {"token_budget": 80}, "token_budget 80 is outside (80, 1024]"),
+    ("lychee", {"token_budget": 512.0}, "token_budget must be an integer, got 512.0"),
+    ("lychee", {"token_budget": True}, "token_budget must be an integer, got True"),
+    ("quest", {"budget": 512}, "unknown key 'budget'"),
+    ("off", {"token_budget": 512}, "this server decodes densely (--sparse-kv off)"),
+])
+def test_request_control_refuses_what_the_server_cannot_honour(method, value, needle):
+    with pytest.raises(ValueError) as e:
+        request_control.parse(value, SparseKVConfig.from_method(method))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_dense_server_accepts_off():
+    assert request_control.parse("off", SparseKVConfig.from_method("off")) == request_control.OFF

@@ -174,6 +174,7 @@ def sparse(request, lineup, smollm2_tokenizer, reference):
         out["rerank_factor"] = extra_cfg.get("rerank_factor", 1)
         out["select_ahead"] = extra_cfg.get("select_ahead", False)
         out["fine_bound"] = extra_cfg.get("fine_bound", "ball")
+        out["key"] = request.param
         yield method, srv, out
 
 
@@ -230,6 +231,38 @@ def test_metrics_endpoint_exports_counters(sparse):
              if line.startswith("sglang:sparse_kv_sparse_steps{")]
     assert steps and steps[0] >= 1, text[-2000:]
     assert "sglang:sparse_kv_dense_fallback_steps{" in text
+
+
+def test_requests_choose_dense_or_their_own_budget(sparse, smollm2_tokenizer):
+    """custom_params {"sparse_kv": "off"} decodes one request densely, {"sparse_kv": {"token_budget": N}} at its own
+    budget, beside the server's default; a value the server cannot honour is refused with one line (HTTP 400)."""
+    method, srv, out = sparse
+    if out["key"] not in ("lychee", "quest"):
+        pytest.skip("the plain methods carry it; the variants change what a step selects, not how a budget is set")
+    prompt, _ = passkey(smollm2_tokenizer, PASSKEY_LEN, 0.5, seed=21)
+    ids = smollm2_tokenizer.encode(prompt)
+
+    def generate(asked):
+        return requests.post(srv.url + "/generate", timeout=900, json=dict(input_ids=ids, sampling_params=dict(
+            max_new_tokens=6, temperature=0, ignore_eos=True, custom_params={"sparse_kv": asked})))
+
+    for asked, per_step in (("off", None), ({"token_budget": 128}, 128)):
+        before = srv.stats()
+        r = generate(asked)
+        r.raise_for_status()
+        after = srv.stats()
+        steps = after["sparse_steps"] - before["sparse_steps"]
+        attended = after["attended_tokens"] - before["attended_tokens"]
+        context = after["context_tokens"] - before["context_tokens"]
+        assert 5 <= steps <= 6 and context >= steps * len(ids)   # as in test_long_prompt_decodes_sparsely
+        if per_step is None:   # its whole context at every step, counted as asked for, not as a fallback
+            assert attended == context
+            assert after["requested_dense_steps"] - before["requested_dense_steps"] == steps
+        else:
+            assert attended == steps * per_step
+        assert after["dense_fallback_steps"] == before["dense_fallback_steps"]
+    bad = generate({"token_budget": 4096})
+    assert bad.status_code == 400 and "token_budget 4096 is outside (80, 256]" in bad.text, bad.text
 
 
 def test_short_prompts_exactly_dense(sparse, reference):

@@ -25,7 +25,7 @@ def test_quick_mode(tmp_path, smollm2_dir):
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(out.read_text())
     runs = {r["method"]: r for r in res["runs"]}
-    assert set(runs) == {"off", "lychee", "quest", "lychee-fixed"}
+    assert set(runs) == {"off", "lychee"}
     for r in runs.values():
         assert set(r["scores"]) == {"passkey@1000", "niah_multikey@1000", "json_value@1000"}
         assert all(0.0 <= v <= 1.0 for v in r["scores"].values())
@@ -39,8 +39,7 @@ def test_quick_mode(tmp_path, smollm2_dir):
             assert all(m is None or m >= 0 for m in c["held_by"].values())
     # what the runner measures, not what a 135M model answers (accuracy claims live in the committed results)
     assert runs["off"]["kv_read"] == 1.0
-    for name in ("lychee", "quest", "lychee-fixed"):
-        assert runs[name]["kv_read"] < 0.5, name   # decode really was sparse
+    assert runs["lychee"]["kv_read"] < 0.5   # decode really was sparse
 
 
 @pytest.mark.parametrize("correct,n,lo,hi", [(5, 10, 0.2366, 0.7634), (0, 10, 0.0, 0.2775), (10, 10, 0.7225, 1.0),

@@ -10,6 +10,7 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_d
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # the interpreter has no bf16 arithmetic of its own; fp16 exercises the same code on CPU
 DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float16
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def rel_err(a, b):
@@ -26,11 +27,11 @@ def make_lists(bs, H, num_slots, lens, gen):
     return indptr.to(DEV), indices.to(DEV)
 
 
-def run_decode_case(bs, H, G, D, lens, num_slots, splits, seed=0):
+def run_decode_case(bs, H, G, D, lens, num_slots, splits, seed=0, kv_dtype=DTYPE):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
-    k = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
-    v = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    k = torch.randn(num_slots, H, D, generator=gen).to(DEV, kv_dtype)
+    v = torch.randn(num_slots, H, D, generator=gen).to(DEV, kv_dtype)
     indptr, indices = make_lists(bs, H, num_slots, lens, gen)
     out = torch.full_like(q, float("nan"))
     sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=splits)
@@ -47,6 +48,13 @@ def test_sparse_decode_small(D, G):
     lens = torch.randint(1, 90, (bs, H), generator=gen)
     lens[0, 1] = 200  # one head longer than the others (a dense retrieval head later)
     run_decode_case(bs, H, G, D, lens, 400, splits=3, seed=D + G)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_sparse_decode_fp8_kv(kv_dtype):
+    """fp8 KV (--kv-cache-dtype fp8_*): the kernel dequantizes on load, attending as the twin does over the same
+    fp8 values in fp32."""
+    run_decode_case(2, 2, 4, 64, [[40, 130], [1, 77]], 300, splits=3, seed=3, kv_dtype=kv_dtype)
 
 
 def test_sparse_decode_empty_list_and_single_token():
@@ -135,10 +143,10 @@ def test_pool_units(minmax, D):
     assert rel_err(out, ref) < 1e-4
 
 
-def check_pool_units_layers(layers, slots_n, units, D, minmax, seed):
+def check_pool_units_layers(layers, slots_n, units, D, minmax, seed, kv_dtype=DTYPE):
     """The all-layer launch writes into a unit store exactly what pool_units gives per layer."""
     gen = torch.Generator().manual_seed(seed)
-    ks = [torch.randn(slots_n, 3, D, generator=gen).to(DEV, DTYPE) for _ in range(layers)]
+    ks = [torch.randn(slots_n, 3, D, generator=gen).to(DEV, kv_dtype) for _ in range(layers)]
     lens = torch.randint(1, 20, (units,), generator=gen)
     indptr = torch.zeros(units + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(lens, 0)
@@ -159,6 +167,11 @@ def check_pool_units_layers(layers, slots_n, units, D, minmax, seed):
 @pytest.mark.parametrize("minmax", [False, True])
 def test_pool_units_all_layers_in_one_launch(minmax):
     check_pool_units_layers(3, 300, 25, 64, minmax, seed=4)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_pool_units_all_layers_fp8_kv(kv_dtype):
+    check_pool_units_layers(2, 200, 12, 64, True, seed=6, kv_dtype=kv_dtype)
 
 
 def check_nearest_centroid(H, N, K, D, seed):
@@ -233,6 +246,14 @@ def test_sparse_decode_real_shapes(bs, G, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", FP8)
+def test_sparse_decode_fp8_kv_real_shapes(kv_dtype):
+    gen = torch.Generator().manual_seed(9)
+    run_decode_case(16, 8, 4, 128, torch.randint(900, 1025, (16, 8), generator=gen), 200_000, splits=8, seed=9,
+                    kv_dtype=kv_dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tail", [False, True])
 def test_sparse_decode_direct_rows_real_shapes(tail):
     run_direct_case([1000, 33_000, 4096, 65_000], 140_000, splits=8, G=4, D=128, H=8, tail=tail)
@@ -242,6 +263,7 @@ def test_sparse_decode_direct_rows_real_shapes(tail):
 def test_pool_units_all_layers_real_shapes():
     """30 key buffers of 140K slots, 8 heads x 128: what a decode step summarizes for every sparse layer."""
     check_pool_units_layers(30, 140_000, 64, 128, False, seed=5)
+    check_pool_units_layers(30, 140_000, 64, 128, True, seed=7, kv_dtype=torch.float8_e4m3fn)
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.pool_ops import graft_chunks_ref
 from sgl_sparsekv.pooled_decode import PooledDecode
+from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.transfer import StagedUpload
 from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
@@ -99,8 +100,8 @@ def test_pool_roundtrip_and_graft_matches_index_graft(graft_fn, dev, box):
             rtol = 1e-5 if dev == "cuda" else 0
             assert torch.allclose(getattr(got, name).cpu().to(t.dtype), t, atol=1e-5, rtol=rtol), name
         added = slice(rng.chunk_at + rng.chunks - n, rng.chunk_at + rng.chunks)
-        assert pools.klen[added].tolist() == lengths[k0:k0 + n].tolist()
-        assert pools.kstart[added].tolist() == starts[k0:k0 + n].tolist()
+        assert pools.chunk_len[added].tolist() == lengths[k0:k0 + n].tolist()
+        assert pools.chunk_start[added].tolist() == starts[k0:k0 + n].tolist()
 
 
 @pytest.mark.parametrize("box", [False, True])
@@ -134,11 +135,12 @@ def test_export_packed_is_the_union_of_the_segments_as_stored_and_owns_its_memor
     for name in ("fine_scale", "coarse_scale"):
         assert torch.equal(getattr(got, name).cpu(), torch.cat([getattr(p, name) for p in packed], 1)), name
     assert got.index.fine_parent.dtype == got.index.chunk_fine.dtype == torch.long
-    assert got.index.fine_mu.dtype == pools.fmu.dtype and got.index.fine_box.dtype == pools.fbox.dtype
+    assert got.index.fine_mu.dtype == pools.fine_mu.dtype and got.index.fine_box.dtype == pools.fine_box.dtype
 
     before = {name: t.clone() for name, t in vars(got.index).items()}
-    for pool in (pools.fmu, pools.fsc, pools.fr, pools.ftok, pools.fn, pools.fpar, pools.fbox, pools.cmu, pools.csc,
-                 pools.cr, pools.ctok, pools.cn, pools.kfine):
+    for pool in (pools.fine_mu, pools.fine_scale, pools.fine_r, pools.fine_tokens, pools.fine_n, pools.fine_parent,
+                 pools.fine_box, pools.coarse_mu, pools.coarse_scale, pools.coarse_r, pools.coarse_tokens,
+                 pools.coarse_n, pools.chunk_fine):
         pool.zero_()
     assert all(torch.equal(getattr(got.index, name), t) for name, t in before.items())
 
@@ -152,10 +154,10 @@ class TwinWorld(World):
     """World whose lychee decode steps are checked against the algorithm's spec (``select.select_chunks`` on
     the request's index as the pools hold it, after this step's grafts)."""
 
-    def __init__(self, seed, overrides=None, steps="graph", method="lychee"):
+    def __init__(self, seed, overrides=None, steps="graph", method="lychee", kv_dtype=torch.float32):
         """``steps`` (select_ahead): how decode steps run: "graph" (every one replays a CUDA graph: eager off),
         "eager" (none does: CUDA graphs off), or "served" (each asks the plugin's hook whether its graph may run)."""
-        super().__init__(method, seed, overrides)
+        super().__init__(method, seed, overrides, kv_dtype)
         self.steps = steps
         self.own_steps = 0   # (request, sparse layer) attended with the lists it selected that step (select_ahead)
         self.roles = head_roles.resolve(self.cfg.head_roles, LAYERS, H, self.cfg.dense_layers)
@@ -201,7 +203,8 @@ class TwinWorld(World):
         self.decoder.attend(q, self.k[1], self.v[1], 0, r2t, D ** -0.5)
 
     def spec_mask(self, row, S, l, q):
-        """The token mask the algorithm gives request ``row`` at sparse layer ``l``."""
+        """The token mask the algorithm gives request ``row`` at sparse layer ``l`` (at its own budget, with the
+        server's coarse expansion factor)."""
         st, cfg = self.pooled.states[row], self.cfg
         if S <= cfg.token_budget or st.pool is None or row in self.overflow:
             return torch.ones(H, S, dtype=torch.bool)
@@ -209,8 +212,9 @@ class TwinWorld(World):
         heads = slice(l * H, (l + 1) * H)
         ix = ClusterIndex(**{k: v[heads].float() if v.is_floating_point() else v[heads] for k, v in vars(ix).items()})
         sink, recent = cfg.sink_tokens, cfg.recent_window
-        budget = cfg.token_budget - sink - recent
-        sel = select_chunks(ix, q.view(H, G, D), budget, cfg.expansion(budget), cfg.gqa_reduce, cfg.radius_weight)
+        budget = (st.budget or cfg.token_budget) - sink - recent
+        expand = cfg.expansion(cfg.token_budget - sink - recent)
+        sel = select_chunks(ix, q.view(H, G, D), budget, expand, cfg.gqa_reduce, cfg.radius_weight)
         n = st.pooled_chunks   # the chunks past them lie in the recent window
         return units_to_token_mask(sel, torch.tensor(st.starts[:n]), torch.tensor(st.ends[:n]), S, sink, recent)
 
@@ -220,7 +224,7 @@ class TwinWorld(World):
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
-        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l])
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], budgets=[r.budget for r in reqs])
         self.overflow = {row for i, row in enumerate(rows) if int(self.decoder.direct[i])}
         fresh = self.decoder.fresh[:len(rows)].tolist()
         list_rows = self.decoder.list_rows[:len(rows)].tolist()
@@ -268,7 +272,8 @@ class TwinWorld(World):
         if self.steps == "served":
             eager = not self.graph_allowed(reqs, seqs)
             assert eager == first
-        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], eager=eager)
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], eager=eager,
+                             budgets=[r.budget for r in reqs])
         own_order = self.decoder.own_order
         assert own_order == (eager and first)
         n = len(rows)
@@ -317,14 +322,19 @@ class TwinWorld(World):
         return eager_first_steps(True, runner, batch)
 
 
-@pytest.mark.parametrize("seed,overrides,method", [(0, None, "lychee"), (1, None, "lychee"),
-                                                   (2, {"fine_bound": "box", "radius_weight": 1.0}, "lychee"),
-                                                   (3, {"gqa_reduce": "mean"}, "lychee"), (4, None, "quest"),
-                                                   (5, {"gqa_reduce": "mean"}, "quest")])
-def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method):
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("seed,overrides,method,kv_dtype", [
+    (0, None, "lychee", torch.float32), (1, None, "lychee", torch.float32),
+    (2, {"fine_bound": "box", "radius_weight": 1.0}, "lychee", torch.float32),
+    (3, {"gqa_reduce": "mean"}, "lychee", torch.float32), (4, None, "quest", torch.float32),
+    (5, {"gqa_reduce": "mean"}, "quest", torch.float32), (6, {"fine_bound": "box"}, "lychee", FP8)])
+def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method, kv_dtype):
     """Every method decodes through the one lifecycle; each step's lists are the spec's (quest: its pages ranked
-    by Quest's bound, the best budget // page_size of them)."""
-    w = TwinWorld(seed, overrides, method=method)
+    by Quest's bound, the best budget // page_size of them). With fp8 KV the index is built from, and attention
+    reads, the stored fp8 values."""
+    w = TwinWorld(seed, overrides, method=method, kv_dtype=kv_dtype)
     w.rng = random.Random(seed)
     w.random_history(14, 0.4, 12)
     for _ in range(6):
@@ -339,6 +349,28 @@ def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method):
         w.finish(req, abort=False)
     w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, [])
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+
+
+@pytest.mark.parametrize("method,overrides", [("lychee", {"head_roles": "staggered-0.5"}),
+                                              ("lychee", {"select_ahead": True}), ("lychee", {"select_every": 3}),
+                                              ("quest", None)])
+def test_requests_decode_at_their_own_budget_or_densely(method, overrides):
+    """Requests of one batch asking for the server's budget, a smaller one of their own, or dense decoding
+    (custom_params, ``request_control``): each row's lists are the spec's at its budget, a dense request attends to
+    its whole sequence and never takes index pool rows, and the counters say what each read."""
+    w = TwinWorld(7, overrides, method=method)
+    w.own_budgets = [None, OFF, 64, 100]   # the server's is 128, sink and recent window 48
+    w.rng = random.Random(7)
+    asked = set()
+    for _ in range(5):
+        w.random_history(3, 0.5, 5)
+        for req in w.live:
+            st = w.pooled.states[req.req_pool_idx]
+            assert st.budget == req.budget and (req.budget != OFF or st.pool is None)
+            asked.add(req.budget)
+    assert asked == set(w.own_budgets)
+    assert w.pooled.stats.requested_dense_steps > 0 and w.pooled.stats.dense_fallback_steps == 0
+    assert w.lists_checked > 100
 
 
 def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
@@ -514,11 +546,13 @@ def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("no_sync,roles,rerank,every,bound", [
-    (False, "all-retrieval", 1, 1, "ball"), (True, "all-retrieval", 1, 1, "ball"), (False, "staggered-0.5", 1, 1, "ball"),
-    (True, "staggered-0.5", 2, 1, "ball"), (True, "all-retrieval", 1, 4, "ball"), (True, "all-retrieval", 1, "ahead", "ball"),
-    (True, "all-retrieval", 1, 1, "box"), (True, "all-retrieval", 1, 1, "quest")])
-def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, monkeypatch):
+@pytest.mark.parametrize("no_sync,roles,rerank,every,bound,own", [
+    (False, "all-retrieval", 1, 1, "ball", None), (True, "all-retrieval", 1, 1, "ball", None),
+    (False, "staggered-0.5", 1, 1, "ball", None), (True, "staggered-0.5", 2, 1, "ball", None),
+    (True, "all-retrieval", 1, 4, "ball", None), (True, "all-retrieval", 1, "ahead", "ball", None),
+    (True, "all-retrieval", 1, 1, "box", None), (True, "all-retrieval", 1, 1, "quest", None),
+    (True, "staggered-0.5", 2, 1, "ball", [None, 512, OFF])])
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, own, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
     selected, and those lists are the ones the same orchestration picks with the kernels' torch twins (twin grafts,
@@ -531,7 +565,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
     twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels), or
-    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning)."""
+    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning). ``own``: the
+    requests' own budgets (``request_control``: the server's, 512, dense) in one captured graph."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.patches.backend import join_after_forward
 
@@ -561,7 +596,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         toks.append(torch.randint(0, 1000, (n,)).tolist())
         for m in (ref, pooled):
             with sync_check("error" if no_sync and m is pooled else 0):   # the cut reads no slot back either
-                m.prepare_extend([row], [0], [n], r2t, toks[-1:])
+                m.prepare_extend([row], [0], [n], r2t, toks[-1:], None if own is None else [own[row - 1]])
             m.finish_extend([row], [True], r2t, lambda l: k[l])
     # k-means and its twin may settle in different local optima (test_kernels compares them): the twin starts
     # from the kernels' index, so the steps compare selection, not clustering
@@ -582,9 +617,9 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
             r2t[rows[i], seqs[i]] = nxt + i
             seqs[i] += 1
             toks[i].append(i)
-        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l], eager=eager)
+        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l], eager=eager, budgets=own)
         with sync_check("error" if no_sync else 0):
-            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l], eager=eager)
+            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l], eager=eager, budgets=own)
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
     def run_layers():   # keeps the lists each layer attends to: the step before's with select_ahead
@@ -643,7 +678,10 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
                 assert swapped <= 4 * cfg.chunk_max, near_ties[-1]
             checked += n
     assert len(near_ties) <= checked // 100, near_ties
-    assert pooled.stats.grafts == ref.stats.grafts > 0 and pooled.stats.index_builds == 3
+    assert pooled.stats.grafts == ref.stats.grafts > 0 and pooled.stats.index_builds == 3 - (own is not None)
+    if own is not None:   # the dense request read its whole sequence at every step, and the others their budgets
+        assert pooled.stats.requested_dense_steps == 91 and pooled.stats.dense_fallback_steps == 0
+        assert bool(dec.direct[2]) and int(dec.budget[1]) == 2 * (512 - cfg.sink_tokens - cfg.recent_window)
     assert pooled.stats.decode_host_syncs == 0
     assert (pooled.stats.reused_list_steps > 0) == (every > 1)
     assert pooled.stats.unselected_steps == 0   # select_ahead's first steps selected with their own query
@@ -676,7 +714,7 @@ def test_memory_charged_to_sglang_matches_what_is_allocated(method, overrides):
     allocated = sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
     box = cfg.fine_bound == "box"
     assert allocated == pool_capacity(cfg, slots).nbytes(LAYERS - 1, H, D, box)
-    assert (pools.fbox.numel() > 0) == box == (overrides.get("fine_bound", "box") == "box")
+    assert (pools.fine_box.numel() > 0) == box == (overrides.get("fine_bound", "box") == "box")
     charged = bytes_per_token(cfg, LAYERS, H, D) * slots
     assert allocated <= charged <= 1.03 * allocated
 

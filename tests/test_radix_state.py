@@ -38,7 +38,8 @@ def synthetic_table():
 class World:
     """SGLang's ReqToTokenPool, token allocator and RadixCache, with a fake model writing keys."""
 
-    def __init__(self, method, seed, overrides=None):
+    def __init__(self, method, seed, overrides=None, kv_dtype=torch.float32):
+        """``kv_dtype``: the KV buffers' (fp8 as SGLang stores it: written through a uint8 view)."""
         self.rng = random.Random(seed)
         cfg = SparseKVConfig.from_method(method, {"token_budget": 128, "dense_layers": 1, "recent_window": 32,
                                                   **(overrides or {})})
@@ -53,16 +54,21 @@ class World:
         g = torch.Generator().manual_seed(seed)
         self.tok_emb = torch.randn(LAYERS, VOCAB, H, D, generator=g)
         self.pos_emb = torch.randn(LAYERS, 1024, H, D, generator=g) * 0.3
-        self.k = torch.zeros(LAYERS, SLOTS + 1, H, D)
-        self.v = torch.randn(LAYERS, SLOTS + 1, H, D, generator=g)
+        self.k = torch.zeros(LAYERS, SLOTS + 1, H, D, dtype=kv_dtype)
+        self.v = torch.randn(LAYERS, SLOTS + 1, H, D, generator=g).to(kv_dtype)
         self.decoder = PooledDecode(self.manager, max_bs=8, q_heads=2 * H, parts=2)
         self.docs = [[self.rng.randrange(VOCAB) for _ in range(self.rng.randrange(100, 300))] for _ in range(3)]
         self.live = []
+        self.own_budgets = None   # requests take their own budgets (request_control) from these in turn when set
+        self.started = 0
         self.unkeyed_at_finish = set()   # (key slot, start, end) of units a finished request left unkeyed
 
     def write_kv(self, slots, tokens, positions):
-        for l in range(LAYERS):
-            self.k[l, slots] = self.tok_emb[l, tokens] + self.pos_emb[l, positions]
+        keys = (self.tok_emb[:, tokens] + self.pos_emb[:, positions]).to(self.k.dtype)
+        if self.k.dtype.itemsize == 1:   # fp8 has no index_put on the CPU
+            self.k.view(torch.uint8)[:, slots] = keys.view(torch.uint8)
+        else:
+            self.k[:, slots] = keys
 
     def take_slots(self, n):
         slots = self.alloc.alloc(n)
@@ -81,7 +87,7 @@ class World:
         req.decoded = 0
         for manager, heads in self.holders:
             k = [self.k[l][:, heads] for l in range(LAYERS)]
-            manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens])
+            manager.prepare_extend([row], [start], [end], self.req_pool.req_to_token, [req.tokens], [req.budget])
             manager.finish_extend([row], [end == len(req.tokens)], self.req_pool.req_to_token, k.__getitem__)
 
     def forward_decode(self, req):
@@ -110,7 +116,10 @@ class World:
         m = self.radix.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
         prefix = min(len(m.device_indices), len(tokens) - 1)
         req = SimpleNamespace(req_pool_idx=None, inflight_middle_chunks=0, kv_committed_len=0, tokens=tokens,
-                              protected=prefix, last_node=m.last_device_node)
+                              protected=prefix, last_node=m.last_device_node,
+                              budget=self.own_budgets[self.started % len(self.own_budgets)] if self.own_budgets
+                              else None)
+        self.started += 1
         self.radix.inc_lock_ref(req.last_node)
         self.req_pool.alloc([req])
         self.req_pool.req_to_token[req.req_pool_idx, :prefix] = m.device_indices[:prefix].to(torch.int32)
@@ -171,7 +180,7 @@ class World:
     # ---------------------------------------------------------------- checks
     def expected_key(self, slots):
         """A unit's key per sparse layer and KV head: its keys' normalized mean."""
-        return F.normalize(self.k[self.cfg.dense_layers:, slots].mean(1), dim=-1)   # [L, H, D]
+        return F.normalize(self.k[self.cfg.dense_layers:, slots].float().mean(1), dim=-1)   # [L, H, D]
 
     def check_index(self, req):
         """A placed index records the request's first chunks, and each of them lies within its fine cluster's
@@ -183,8 +192,8 @@ class World:
             return
         ix, M = m.pools.export(*st.segments), st.pooled_chunks
         k = torch.cat([torch.arange(seg.chunk_at, seg.chunk_at + seg.chunks) for seg in st.segments])
-        assert m.pools.kstart[k].tolist() == st.starts[:M]
-        assert m.pools.klen[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
+        assert m.pools.chunk_start[k].tolist() == st.starts[:M]
+        assert m.pools.chunk_len[k].tolist() == [e - s for s, e in zip(st.starts[:M], st.ends[:M])]
         row = self.req_pool.req_to_token[req.req_pool_idx]
         keys = torch.stack([self.expected_key(row[s:e].long()) for s, e in zip(st.starts[:M], st.ends)],
                            2).reshape(ix.fine_mu.shape[0], M, D)   # [sparse layers * H, M, D], layer-major

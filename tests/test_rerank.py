@@ -93,6 +93,20 @@ def test_rerank_matches_twin_and_brute_force(G, D):
             assert lst == sorted(lst, key=order.index)   # list order kept: sink first, recent last
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rerank_reads_fp8_keys(kv_dtype):
+    """fp8 KV: small integer keys are exact in fp8, so the kernel and the twin over the fp8 buffer keep exactly the
+    lists they keep over the same keys in fp32."""
+    sink, recent, keep = 2, 4, 7
+    cap, cap_c = sink + recent + keep, sink + recent + 3 * keep
+    gen = torch.Generator().manual_seed(8)
+    bs, H, G, D = 2, 2, 4, 32
+    q, k, cand, seq = candidate_batch(bs, H, G, D, [300] * bs, [[cap_c, cap_c - 3]] * bs, cap_c, gen, integer=True)
+    want = lists(run_both(q, k, cand, seq, sink, recent, keep, cap, dense_limit=cap)[1], bs, H, cap)
+    for got in run_both(q, k.to(kv_dtype), cand, seq, sink, recent, keep, cap, dense_limit=cap):
+        assert lists(got, bs, H, cap) == want
+
+
 def test_rerank_ties_go_to_the_earlier_entry():
     """Integer keys and queries, every third key a copy of its neighbour: many candidates tie exactly, across the
     threshold too. The kernel's radix search and the twin's stable sort keep the same entries."""

@@ -1,7 +1,8 @@
 """The stress run (bench/stress.py) in its small forms: on the GPU a tiny dummy model, on the CPU engine SmolLM2 at
 budget 256; a few dozen requests with aborts, disconnects, evictions and shared prefixes; every check of the full run
 must hold. With --page-size 16 SGLang allocates KV and matches prefixes in pages of 16 tokens, while sparse-kv reads
-KV by token slot: the same checks cover it."""
+KV by token slot: the same checks cover it, and with fp8 KV (--kv-cache-dtype fp8_e4m3), which the sparse kernels
+dequantize on load."""
 
 import json
 import subprocess
@@ -26,8 +27,9 @@ def stress(tmp_path, *args) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tp, page_size", [(1, 1), (2, 1), (1, 16)])
-def test_stress_small(tmp_path, tp, page_size):
+@pytest.mark.parametrize("tp, page_size, kv_dtype", [(1, 1, "auto"), (2, 1, "auto"), (1, 16, "auto"),
+                                                     (1, 1, "fp8_e4m3")])
+def test_stress_small(tmp_path, tp, page_size, kv_dtype):
     import torch
 
     if not MKMODEL.exists():
@@ -37,9 +39,10 @@ def test_stress_small(tmp_path, tp, page_size):
     model = tmp_path / "tiny"
     subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
     res = stress(tmp_path, "--size", "small", "--model", str(model), "--tp-size", str(tp),
-                 "--page-size", str(page_size))
+                 "--page-size", str(page_size), "--kv-cache-dtype", kv_dtype)
     assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
     assert all(st["grafts"] > 0 and st["index_reused"] > 0 for st in res["stats_idle"])
+    assert all(st["requested_dense_steps"] > 0 for st in res["stats_idle"])   # custom_params "off" was honoured
     heads = [tuple(st["kv_heads"]) for st in res["stats_idle"]]
     assert len(set(heads)) == tp, heads   # the tiny model's 2 KV heads: each rank holds its own
 
@@ -49,5 +52,6 @@ def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
     res = stress(tmp_path, "--size", "cpu", "--model", smollm2_dir)
     st = res["stats_idle"][0]
     assert res["counts"]["complete"]["sent"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
+    assert st["requested_dense_steps"] > 0   # requests that asked for dense decoding (custom_params) got it
     # requests over a shared prefix adopted its cached index (a shared segment) and clustered only their own chunks
     assert st["index_reused"] > 0 and st["index_extends"] > 0
