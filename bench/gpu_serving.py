@@ -9,7 +9,8 @@ instance:
   - TPOT at batch 1 per context length: a random-id prompt is prefilled and cached first, then the time of a
     2-token request is subtracted from that of a (2 + n)-token request on the cached prompt, over n tokens;
   - bench_serving workloads (``--workloads``), counting errors: ``random`` (32K random ids, ``--prompts`` at
-    ``--concurrency``), ``random64`` (64 prompts at concurrency 16), ``shared`` (2 groups x 16 requests over
+    ``--concurrency``), ``random64`` (64 prompts at concurrency 16), ``mixed`` (48 prompts of 3.2K-32K, 512 out, at
+    concurrency 16: lengths that leave the index pools in pieces), ``shared`` (2 groups x 16 requests over
     a 32K shared prefix, 256-token questions, 512 out, concurrency 16) and ``shared64_c16`` / ``shared64_c32``
     (2 groups x 32 requests, the same prefixes, at concurrency 16 and 32);
   - the plugin's counters after the workloads (index pool fill, dense fallbacks), the most requests each workload
@@ -44,7 +45,7 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms",
         "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_e2e_latency_ms")
-WORKLOADS = ("random", "random64", "shared", "shared64_c16", "shared64_c32")
+WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_c32")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
 # lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
@@ -94,9 +95,9 @@ def write_shape(model_dir: str, name: str) -> str:
     return label
 
 
-def random_ids(input_len: int, output_len: int, prompts: int) -> list[str]:
+def random_ids(input_len: int, output_len: int, prompts: int, range_ratio: float = 1.0) -> list[str]:
     return ["--dataset-name", "random-ids", "--random-input-len", str(input_len), "--random-output-len",
-            str(output_len), "--random-range-ratio", "1.0", "--num-prompts", str(prompts)]
+            str(output_len), "--random-range-ratio", str(range_ratio), "--num-prompts", str(prompts)]
 
 
 SHARED_OUTPUT = 512   # tokens out per request of the shared-prefix workloads
@@ -203,6 +204,7 @@ def measure(srv: Server, a, name: str, out: dict, save) -> dict:
         save()
     workloads = {"random": (random_ids(32768, a.output_len, a.prompts), a.prompts, a.concurrency),
                  "random64": (random_ids(32768, a.output_len, 64), 64, 16),
+                 "mixed": (random_ids(32768, 512, 48, range_ratio=0.1), 48, 16),
                  "shared": SHARED,
                  "shared64_c16": (shared_prefix(32), 64, 16),
                  "shared64_c32": (shared_prefix(32), 64, 32)}
@@ -241,7 +243,7 @@ def tpot_ratios(dense: dict, sparse: dict) -> dict:
 
 
 # lychee over dense per workload, stored under these keys
-RATIO_KEYS = {"shared": "shared_prefix", "random": "random_ids", "random64": "random64",
+RATIO_KEYS = {"shared": "shared_prefix", "random": "random_ids", "random64": "random64", "mixed": "mixed",
               "shared64_c16": "shared64_c16", "shared64_c32": "shared64_c32"}
 SUMMARY = ("greedy_equal_within_budget", "greedy_past_budget_same_tokens", "tpot_ratio_lychee_over_dense",
            *RATIO_KEYS.values())
@@ -292,7 +294,7 @@ def main():
     ap = method_parser()
     ap.add_argument("--contexts", type=int, nargs="*", default=[4096, 32768, 65536, 126976])
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS),
-                    choices=["random", "random64", "shared", "shared64_c16", "shared64_c32"])
+                    choices=list(WORKLOADS))
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)

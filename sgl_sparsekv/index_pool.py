@@ -74,6 +74,11 @@ class RangeAllocator:
             self._sizes[i - 1] += self._sizes.pop(i)
             self._starts.pop(i)
 
+    def compacted(self, used: int) -> None:
+        """After the rows in use moved to the front: ``[0, used)`` allocated, the rest one free range."""
+        assert 0 <= used <= self.capacity, (used, self.capacity)
+        self._starts, self._sizes = ([used], [self.capacity - used]) if used < self.capacity else ([], [])
+
     @property
     def free_rows(self) -> int:
         return sum(self._sizes)
@@ -128,6 +133,10 @@ def pool_capacity(cfg: SparseKVConfig, num_slots: int) -> PoolCapacity:
     return PoolCapacity(coarse, fine, chunks)
 
 
+# per level: the fields of a PoolRanges that give a segment's first row and the rows it holds
+LEVEL_ROWS = {"coarse": ("coarse_at", "coarse"), "fine": ("fine_at", "fine"), "chunks": ("chunk_at", "chunk_rows")}
+
+
 class IndexPools:
     def __init__(self, cap: PoolCapacity, layers: int, heads: int, head_dim: int, device, box: bool = False):
         def f32(*shape):
@@ -153,6 +162,8 @@ class IndexPools:
         self.capacity = cap
         self.generation = 0   # bumped by every free: a request that found no room retries only after one
         self.shared: dict[object, list] = {}   # key -> [PoolRanges, references] of the shared segments
+        self.live: dict[int, PoolRanges] = {}   # id -> every segment in the pools (compaction moves them)
+        self.compactions = 0
 
     @property
     def key_vecs(self) -> int:
@@ -332,7 +343,7 @@ class IndexPools:
         need = rng.chunks + n
         if need > rng.chunk_rows:
             for size in (max(2 * rng.chunk_rows, need), max(rng.chunk_rows + 64, need)):
-                new = self.alloc["chunks"].alloc(size)
+                new = self._take("chunks", size)   # may compact the level, moving ``rng`` too
                 if new is not None:
                     break
             else:
@@ -352,17 +363,52 @@ class IndexPools:
     def _alloc(self, P: int, L: int, K: int) -> PoolRanges | None:
         got = []
         for kind, n in (("coarse", P), ("fine", L), ("chunks", K)):
-            start = self.alloc[kind].alloc(n)
+            start = self._take(kind, n)
             if start is None:
                 for (k, s, m) in got:
                     self.alloc[k].free(s, m)
                 return None
             got.append((kind, start, n))
         (_, co, _), (_, fo, _), (_, ko, _) = got
-        return PoolRanges(co, P, fo, L, ko, 0, K)
+        rng = PoolRanges(co, P, fo, L, ko, 0, K)
+        self.live[id(rng)] = rng
+        return rng
+
+    def _take(self, kind: str, n: int) -> int | None:
+        """``n`` rows of one level: first fit, else, where the level's free rows add up to ``n`` but lie apart, after
+        :meth:`compact` made them one range. None only when the level really lacks the rows."""
+        a = self.alloc[kind]
+        start = a.alloc(n)
+        if start is None and a.free_rows >= n:
+            self.compact(kind)
+            start = a.alloc(n)
+        return start
+
+    def compact(self, kind: str) -> None:
+        """Move every segment's rows of one level to the front of its pool, in their order, so its free rows become
+        one range. Each segment's ``PoolRanges`` is updated in place, so the requests and shared segments holding it
+        follow (their rows are local: parents and chunk clusters count from their segment's first row). The copies
+        queue on the current stream behind the steps that read the old rows; a decode step's table is built after."""
+        at, size = LEVEL_ROWS[kind]
+        tensors = {"coarse": (self.coarse_mu, self.coarse_scale, self.coarse_r, self.coarse_tokens, self.coarse_n),
+                   "fine": (self.fine_mu, self.fine_scale, self.fine_r, self.fine_tokens, self.fine_n,
+                            self.fine_parent, self.fine_box),
+                   "chunks": (self.chunk_fine, self.chunk_start.view(1, -1), self.chunk_len.view(1, -1))}[kind]
+        end = 0
+        for rng in sorted(self.live.values(), key=lambda r: getattr(r, at)):
+            start, rows = getattr(rng, at), getattr(rng, size)
+            held = rng.chunks if kind == "chunks" else rows   # rows past a chunk range's recorded ones are empty
+            if start != end:
+                for t in tensors:
+                    t[:, end:end + held] = t[:, start:start + held].clone()   # the ranges may overlap
+                setattr(rng, at, end)
+            end += rows
+        self.alloc[kind].compacted(end)
+        self.compactions += 1
 
     def free(self, rng: PoolRanges) -> None:
         self.alloc["coarse"].free(rng.coarse_at, rng.coarse)
         self.alloc["fine"].free(rng.fine_at, rng.fine)
         self.alloc["chunks"].free(rng.chunk_at, rng.chunk_rows)
+        del self.live[id(rng)]
         self.generation += 1

@@ -55,6 +55,7 @@ from sgl_sparsekv.index_cache import IndexCache, chain, longest_shared
 from sgl_sparsekv.index_pool import IndexPools, PoolRanges, pool_capacity
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
 from sgl_sparsekv.kernels.pool import pool_units_layers, pool_units_ref
+from sgl_sparsekv.kernels.select import Segment
 from sgl_sparsekv.pool_ops import graft_chunks_ref
 from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.stats import Counters
@@ -64,11 +65,23 @@ from sgl_sparsekv.transfer import DEBUG, LateRead, to_device
 
 
 class SharedSegment(NamedTuple):
-    """An adopted prefix's segment in the pools, read-only: the pools' key of the segment, and its ranges with
-    ``chunks`` cut to the chunks this request shares (an adopter may share fewer than the one that loaded it)."""
+    """An adopted prefix's segment in the pools, read-only: the pools' key of the segment, its ranges as the pools
+    hold them (``IndexPools.compact`` moves them in place), and the chunks this request shares (an adopter may share
+    fewer than the one that loaded it)."""
 
     key: int
-    ranges: PoolRanges
+    parent: PoolRanges
+    chunks: int
+
+    @property
+    def ranges(self) -> PoolRanges:
+        """The segment's ranges with ``chunks`` cut to this request's share (a copy: read, never kept)."""
+        return dataclasses.replace(self.parent, chunks=self.chunks)
+
+    def segment(self) -> Segment:
+        """The rows the selection kernels read for this request."""
+        p = self.parent
+        return Segment(p.coarse_at, p.coarse, p.fine_at, p.fine, p.chunk_at, self.chunks)
 
 
 class KeptLists(NamedTuple):
@@ -112,7 +125,7 @@ class RequestState:
 
     @property
     def pooled_chunks(self) -> int:
-        return (self.shared.ranges.chunks if self.shared else 0) + (self.pool.chunks if self.pool else 0)
+        return (self.shared.chunks if self.shared else 0) + (self.pool.chunks if self.pool else 0)
 
 
 class PackedPlan(NamedTuple):
@@ -503,7 +516,6 @@ class SparseKVManager:
             # the segment's chunks past the ones this request shares are not scanned for it (their tokens still
             # count in their clusters' sizes, a few chunks at the end of the prefix); the chunks past go to its own
             shared = min(n, seg.chunks)
-            seg = dataclasses.replace(seg, chunks=shared)
             self.stats.index_reused += 1
         Ls, H, d = self.pools.layers, self.pools.heads, self.pools.head_dim
         if shared < len(state.units):
@@ -540,7 +552,7 @@ class SparseKVManager:
             if seg is not None:
                 self._release_shared(key)
             return self._unplaced(state)
-        state.shared = SharedSegment(key, seg) if seg is not None else None
+        state.shared = SharedSegment(key, seg, shared) if seg is not None else None
         state.unplaced_gen = None
 
     def _live_segment(self, units: np.ndarray) -> tuple[int, int] | None:
@@ -621,6 +633,7 @@ class SparseKVManager:
                 + sum(len(s.units) for s in self.states.values()) + sum(map(len, self._segment_chains.values())))
         out["unit_refs_unaccounted"] = int(self.store.refs.sum()) - held
         out["index_pools"] = self.pools.fill()
+        out["index_pool_compactions"] = self.pools.compactions
         out["shared_segments"] = self.pools.shared_fill()
         out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
         return out

@@ -95,7 +95,7 @@ def _index_ranges(state, scratch_at: int) -> RequestRanges | None:
     own one)."""
     if state.pool is None:
         return None
-    prefix = state.shared.ranges.segment() if state.shared is not None else Segment()
+    prefix = state.shared.segment() if state.shared is not None else Segment()
     return RequestRanges(prefix, state.pool.segment(), scratch_at)
 
 

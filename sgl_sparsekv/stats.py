@@ -78,6 +78,8 @@ GAUGES = {
     "cached_indexes": "Entries in the index cache.",
     "index_bytes": "Bytes of unit summaries, cached indexes and index pools.",
     "unplaced_requests": "Requests decoding densely until their index gets pool rows.",
+    "index_pool_compactions": "Times a pool level's segments were moved together because its free rows, enough for "
+                              "an index, lay apart.",
 }
 # what Prometheus exports, by snapshot key: its help text
 EXPORTED = {**{f.name: f.metadata["doc"] for f in Counters.__dataclass_fields__.values() if f.metadata["export"]},

@@ -5,6 +5,7 @@ allocator and request pool); every batched decode step must give each (request, 
 the same token list and the same attention output.
 """
 
+import dataclasses
 import random
 import types
 
@@ -17,7 +18,7 @@ from sgl_sparsekv.index import ClusterIndex, build_index, recount, union
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention_ref
-from sgl_sparsekv.manager import SparseKVManager
+from sgl_sparsekv.manager import SharedSegment, SparseKVManager
 from sgl_sparsekv.pool_ops import graft_chunks_ref
 from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.request_control import OFF
@@ -38,6 +39,55 @@ def test_range_allocator_first_fit_and_merge():
     a.free(x, 30)
     a.free(z, 30)
     assert a.free_rows == 100 and a.alloc(100) == 0
+    a.compacted(40)
+    assert a.free_rows == 60 and a.alloc(61) is None and a.alloc(60) == 40
+    a.compacted(100)
+    assert a.free_rows == 0 and a.alloc(1) is None
+
+
+def test_a_fragmented_pool_compacts_and_every_segment_keeps_its_index():
+    """Segments freed between live ones leave gaps that no single index fits: the load that needs their sum moves
+    the live segments together (once per level it needs), and every segment exports the index it held, an adopter's
+    shorter view of a shared segment included; a chunk range that must grow finds room the same way."""
+    gen = torch.Generator().manual_seed(3)
+    Ls, d, M = 2, 16, 40
+    pools = IndexPools(PoolCapacity(coarse=64, fine=96, chunks=192), Ls, H, d, "cpu")
+
+    def index(m):
+        keys = torch.nn.functional.normalize(torch.randn(Ls * H, m, d, generator=gen), dim=-1)
+        lengths = torch.randint(8, 17, (m,), generator=gen)
+        return build_index(keys, lengths, 2.0, 64, 5), torch.cumsum(lengths, 0) - lengths, lengths
+
+    def load(m, room=4):
+        ix, starts, lengths = index(m)
+        return pools.load(ix.pack(), starts, lengths, room), ix
+
+    segs = [load(M) for _ in range(4)]
+    assert pools.alloc["fine"].used_rows == 80 and pools.alloc["chunks"].used_rows == 176
+    for rng, _ in segs[0::2]:
+        pools.free(rng)
+    kept = segs[1::2]
+    view = SharedSegment(0, kept[1][0], M // 2)   # an adopter that shares half of a segment's chunks
+    before = [pools.export(r) for r, _ in kept] + [pools.export(view.ranges)]
+    rng, ix = load(2 * M)   # 40 fine rows and 84 chunk rows: more than any gap, less than the free rows
+    assert rng is not None and pools.compactions == 2   # fine and chunks (the coarse rows still fit a gap)
+    assert [r.fine_at for r, _ in kept] == [0, 20] and rng.fine_at == 40
+    for got, want in zip([pools.export(r) for r, _ in kept] + [pools.export(view.ranges)], before):
+        assert all(torch.equal(getattr(got, k), t) for k, t in vars(want).items())
+    assert all(torch.equal(getattr(pools.export(rng), k), t) for k, t in vars(ix).items())
+    assert view.segment() == view.ranges.segment() and view.segment().chunk_at == kept[1][0].chunk_at
+
+    # a chunk range that grows past its room (to 50 rows) where the free chunk rows lie in pieces of 24 and 48
+    pools = IndexPools(PoolCapacity(coarse=64, fine=96, chunks=120), Ls, H, d, "cpu")
+    x, a, c, y = (load(20)[0] for _ in range(4))
+    pools.free(x)
+    pools.free(y)
+    before = [pools.export(r) for r in (a, c)]
+    first = pools.add_chunks(a, 30)
+    assert pools.compactions == 1 and (a.chunk_at, a.chunk_rows, c.chunk_at) == (48, 50, 24) and first == 48 + 20
+    got = pools.export(dataclasses.replace(a, chunks=20))   # its recorded chunks, moved twice
+    assert all(torch.equal(getattr(got, k), t) for k, t in vars(before[0]).items())
+    assert all(torch.equal(getattr(pools.export(c), k), t) for k, t in vars(before[1]).items())
 
 
 def chunk_boxes(keys: torch.Tensor, gen) -> torch.Tensor:
@@ -371,6 +421,30 @@ def test_requests_decode_at_their_own_budget_or_densely(method, overrides):
     assert asked == set(w.own_budgets)
     assert w.pooled.stats.requested_dense_steps > 0 and w.pooled.stats.dense_fallback_steps == 0
     assert w.lists_checked > 100
+
+
+def test_compaction_between_steps_keeps_every_request_on_its_index():
+    """Every level compacted between decode steps (as a load that finds its rows apart does): the requests, their
+    shared segments and their grafts follow their moved rows, and every step's lists stay the spec's."""
+    w = TwinWorld(12)
+    w.rng = random.Random(12)
+    pools, moved = w.pooled.pools, 0
+    for _ in range(6):
+        while len(w.live) < 3:
+            w.start()
+        for _ in range(8):
+            w.decode_batch(list(w.live))
+        w.finish(w.live[0], abort=False)   # the oldest: a gap before the others' rows
+        where = {id(r): (r.coarse_at, r.fine_at, r.chunk_at) for r in pools.live.values()}
+        for kind in ("coarse", "fine", "chunks"):
+            pools.compact(kind)
+        moved += sum(where[id(r)] != (r.coarse_at, r.fine_at, r.chunk_at) for r in pools.live.values())
+        for _ in range(4):
+            w.decode_batch(list(w.live))
+    st = w.pooled.stats
+    assert moved > 0 and st.index_reused > 0 and st.grafts > 0 and w.lists_checked > 200
+    for req in w.live:
+        w.check_index(req)
 
 
 def test_grafts_wait_for_the_window_edge_and_take_every_backlog():
