@@ -620,13 +620,13 @@ def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("no_sync,roles,rerank,every,bound,own", [
+@pytest.mark.parametrize("no_sync,roles,rerank,every,bound,asked", [
     (False, "all-retrieval", 1, 1, "ball", None), (True, "all-retrieval", 1, 1, "ball", None),
     (False, "staggered-0.5", 1, 1, "ball", None), (True, "staggered-0.5", 2, 1, "ball", None),
     (True, "all-retrieval", 1, 4, "ball", None), (True, "all-retrieval", 1, "ahead", "ball", None),
     (True, "all-retrieval", 1, 1, "box", None), (True, "all-retrieval", 1, 1, "quest", None),
     (True, "staggered-0.5", 2, 1, "ball", [None, 512, OFF])])
-def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, own, monkeypatch):
+def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, asked, monkeypatch):
     """Llama-3.1-8B attention shape on the GPU: 3 long requests decode through PooledDecode captured in a
     CUDA graph; every replay (with lengths, units and grafts changing) attends exactly over the token lists it
     selected, and those lists are the ones the same orchestration picks with the kernels' torch twins (twin grafts,
@@ -639,7 +639,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
     twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels), or
-    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning). ``own``: the
+    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning). ``asked``: the
     requests' own budgets (``request_control``: the server's, 512, dense) in one captured graph."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.patches.backend import join_after_forward
@@ -670,7 +670,7 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
         toks.append(torch.randint(0, 1000, (n,)).tolist())
         for m in (ref, pooled):
             with sync_check("error" if no_sync and m is pooled else 0):   # the cut reads no slot back either
-                m.prepare_extend([row], [0], [n], r2t, toks[-1:], None if own is None else [own[row - 1]])
+                m.prepare_extend([row], [0], [n], r2t, toks[-1:], None if asked is None else [asked[row - 1]])
             m.finish_extend([row], [True], r2t, lambda l: k[l])
     # k-means and its twin may settle in different local optima (test_kernels compares them): the twin starts
     # from the kernels' index, so the steps compare selection, not clustering
@@ -691,9 +691,9 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
             r2t[rows[i], seqs[i]] = nxt + i
             seqs[i] += 1
             toks[i].append(i)
-        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l], eager=eager, budgets=own)
+        twin.prepare(rows, seqs, 3, r2t, toks, lambda l: k[l], eager=eager, budgets=asked)
         with sync_check("error" if no_sync else 0):
-            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l], eager=eager, budgets=own)
+            dec.prepare(rows, seqs, 4, r2t, toks, lambda l: k[l], eager=eager, budgets=asked)
         q.copy_(torch.randn(q.shape, device=dev, generator=gen))
 
     def run_layers():   # keeps the lists each layer attends to: the step before's with select_ahead
@@ -752,8 +752,8 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
                 assert swapped <= 4 * cfg.chunk_max, near_ties[-1]
             checked += n
     assert len(near_ties) <= checked // 100, near_ties
-    assert pooled.stats.grafts == ref.stats.grafts > 0 and pooled.stats.index_builds == 3 - (own is not None)
-    if own is not None:   # the dense request read its whole sequence at every step, and the others their budgets
+    assert pooled.stats.grafts == ref.stats.grafts > 0 and pooled.stats.index_builds == 3 - (asked is not None)
+    if asked is not None:   # the dense request read its whole sequence at every step, and the others their budgets
         assert pooled.stats.requested_dense_steps == 91 and pooled.stats.dense_fallback_steps == 0
         assert bool(dec.direct[2]) and int(dec.budget[1]) == 2 * (512 - cfg.sink_tokens - cfg.recent_window)
     assert pooled.stats.decode_host_syncs == 0
