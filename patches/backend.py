@@ -18,12 +18,12 @@ import time
 
 import torch
 
+from sgl_sparsekv import request_control
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
 from sgl_sparsekv.kernels.page_table import PageTableWriter
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches import surface
-from sgl_sparsekv import request_control
 from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.tensor_parallel import KVShard
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
