@@ -212,14 +212,19 @@ class SparseKVAttnBackend(AttentionBackend):
             self._prepare(forward_batch, bs - (forward_batch.num_padding or 0), padded_bs=bs)
 
     def graph_allowed(self, forward_batch) -> bool:
-        """Asked before SGLang replays a decode graph (patches/plugin.py): with select_ahead, a batch holding a
-        request's first decode step past the budget runs eagerly, so that step selects with its own query instead
-        of attending to its whole sequence. Host facts only: the batch's requests and ``seq_lens_cpu``."""
-        reqs = self.batch_reqs
-        if not self.pooled.ahead or reqs is None or forward_batch.seq_lens_cpu is None:
+        """Asked before SGLang replays a decode graph (patches/plugin.py). A batch runs eagerly when the recall
+        audit measures it (its due step, with a request past the budget), and with select_ahead when it holds a
+        request's first decode step past the budget, so that step selects with its own query instead of attending
+        to its whole sequence. Host facts only: the batch's requests and ``seq_lens_cpu``."""
+        reqs, m = self.batch_reqs, self.manager
+        if reqs is None or forward_batch.seq_lens_cpu is None:
             return True
-        states = [self.manager.states.get(r.req_pool_idx) for r in reqs]
-        return not self.pooled.first_steps(states, forward_batch.seq_lens_cpu[:len(reqs)].tolist())
+        seq_lens = forward_batch.seq_lens_cpu[:len(reqs)].tolist()
+        if m.audit is not None and m.audit.due_next() and any(map(m.needs_sparse, seq_lens)):
+            return False
+        if not self.pooled.ahead:
+            return True
+        return not self.pooled.first_steps([m.states.get(r.req_pool_idx) for r in reqs], seq_lens)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
@@ -269,7 +274,7 @@ class SparseKVAttnBackend(AttentionBackend):
 
     def export_metrics(self, force: bool = False) -> None:
         if self.metrics is not None:
-            self.metrics.update(self.manager.snapshot_stats, force=force)
+            self.metrics.update(self.manager.snapshot_stats, self.manager.audit, force=force)
 
     def _maybe_log(self):
         now = time.monotonic()

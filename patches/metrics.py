@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 
+from sgl_sparsekv.recall_audit import BUCKETS
 from sgl_sparsekv.stats import EXPORTED
+
 
 class PrometheusExport:
     def __init__(self, labels: dict[str, str]):
-        from prometheus_client import Gauge
+        from prometheus_client import Gauge, Histogram
 
         self.labels = labels
         names = list(labels)
@@ -25,14 +27,22 @@ class PrometheusExport:
                                labelnames=names + ["pool"], multiprocess_mode="mostrecent")
         self.pool_fill = Gauge("sglang:sparse_kv_index_pool_fill", "Share of a GPU index pool's rows in use.",
                                labelnames=names + ["pool"], multiprocess_mode="mostrecent")
+        self.recall = Histogram("sglang:sparse_kv_recall_kept_mass",
+                                "Share of dense attention's mass that a sparse layer's selection kept for one "
+                                "audited request row (live recall audit, config recall_audit_every), by layer group.",
+                                labelnames=names + ["layers"], buckets=BUCKETS)
         self._last = 0.0
 
-    def update(self, snapshot, force: bool = False) -> None:
-        """``snapshot()`` -> the manager's stats; called only when a refresh is due."""
+    def update(self, snapshot, audit=None, force: bool = False) -> None:
+        """``snapshot()`` -> the manager's stats; ``audit``: its RecallAudit, if on. Called only when a refresh is
+        due."""
         now = time.monotonic()
         if not force and now - self._last < 1.0:
             return
         self._last = now
+        if audit is not None:
+            for layers, value in audit.drain():
+                self.recall.labels(**self.labels, layers=layers).observe(value)
         stats = snapshot()
         for key, gauge in self.gauges.items():
             if key in stats:

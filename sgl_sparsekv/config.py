@@ -83,6 +83,10 @@ class SparseKVConfig:
     # since, and selects the next step's lists with its own query beside the attention (a second CUDA stream in
     # the same graph), so selection leaves the step's critical path (RACC: adjacent steps attend alike).
     select_ahead: bool = False
+    # Every this many sparse decode steps (0: never), the live recall audit measures, for a few rows past their
+    # budget, the share of dense attention's mass the step's selection kept (sgl_sparsekv/recall_audit.py); that
+    # step runs outside CUDA graphs.
+    recall_audit_every: int = 0
     # --- quest ---
     page_size: int = 16
 
@@ -139,7 +143,7 @@ class SparseKVConfig:
         for k in positive:
             if getattr(self, k) <= 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")
-        for k in ("sink_tokens", "recent_window", "dense_layers", "coarse_expand_min"):
+        for k in ("sink_tokens", "recent_window", "dense_layers", "coarse_expand_min", "recall_audit_every"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be >= 0, got {getattr(self, k)}")
         if self.chunk_min > self.chunk_max:

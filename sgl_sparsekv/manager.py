@@ -57,6 +57,7 @@ from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft
 from sgl_sparsekv.kernels.pool import pool_units_layers, pool_units_ref
 from sgl_sparsekv.kernels.select import Segment
 from sgl_sparsekv.pool_ops import graft_chunks_ref
+from sgl_sparsekv.recall_audit import RecallAudit
 from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.stats import Counters
 from sgl_sparsekv.store import UnitStore
@@ -213,6 +214,8 @@ class SparseKVManager:
         self.index_cache = IndexCache(self.store)
         self.pools = IndexPools(pool_capacity(cfg, num_slots), sparse_layers, num_kv_heads, head_dim, self.device,
                                 box=cfg.fine_bound == "box")
+        self.audit = (RecallAudit(cfg.recall_audit_every, sparse_layers, cfg.dense_layers)
+                      if cfg.recall_audit_every else None)
         if self.use_kernels:
             precompile_graft(self.pools, self.key_dtype)
             self._precompile_build()
@@ -636,4 +639,6 @@ class SparseKVManager:
         out["index_pool_compactions"] = self.pools.compactions
         out["shared_segments"] = self.pools.shared_fill()
         out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
+        if self.audit is not None:
+            out["recall_audit"] = self.audit.snapshot()
         return out

@@ -47,6 +47,7 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, RequestRanges, Segment, a
                                          emit_tokens_ref, scratch, select_fine)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, KeptLists, SparseKVManager, logger
+from sgl_sparsekv.recall_audit import AuditedRow
 from sgl_sparsekv.pool_ops import select_fine_ref
 from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.transfer import StagedUpload
@@ -142,6 +143,7 @@ class PooledDecode:
                         (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
         self.forked = False
         self.own_order = False   # select_ahead: this (eager) step selects before it attends, as lychee does
+        self.audited = []   # the rows the recall audit measures this step (eager steps only)
         self.starts = torch.arange(max_bs * H, dtype=torch.int32, device=dev) * self.cap
         self.workspace = workspace_for(max_bs, H, q_heads // H, d, SPLITS, dev) if manager.use_kernels else None
         ops = (select_fine, emit_tokens) if manager.use_kernels else (select_fine_ref, emit_tokens_ref)
@@ -227,6 +229,7 @@ class PooledDecode:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
         self.own_order = False
+        self.audited = []
 
     def prepare(self, rows: list[int], seq_lens: list[int], padded_bs: int, req_to_token, tokens, k_buffers,
                 attends: bool = True, eager: bool = False, budgets: list | None = None) -> None:
@@ -240,14 +243,25 @@ class PooledDecode:
         t0 = time.perf_counter()
         states = m.prepare_decode_pooled(rows, seq_lens, req_to_token, tokens, k_buffers, budgets)
         self.own_order = False
+        self.audited = []
         if attends:
             table = (self._table_ahead(rows, seq_lens, states, eager) if self.ahead
                      else self._table(rows, seq_lens, states))
             self._upload(table, len(rows), padded_bs, req_to_token.shape)
+            if m.audit is not None and any(map(m.needs_sparse, seq_lens)):
+                self._pick_audited(table, eager)
         else:
             for state in states:
                 state.lists = None
         m.stats.decode_prepare_s += time.perf_counter() - t0
+
+    def _pick_audited(self, table: list[StepRow], eager: bool) -> None:
+        """The rows the recall audit measures this step: of those past their budget that attend to token lists."""
+        m = self.manager
+        candidates = [AuditedRow(i, r.row, r.seq, r.list_row, r.tail_from) for i, r in enumerate(table)
+                      if not r.direct and m.needs_sparse(r.seq)]
+        self.audited = m.audit.pick(candidates, eager, m.device)
+        m.stats.audited_steps += bool(self.audited)
 
     def _table(self, rows, seq_lens, states) -> list[StepRow]:
         m = self.manager
@@ -381,11 +395,19 @@ class PooledDecode:
         if not self.ahead or self.own_order:
             if self.layer_heads[sparse_layer] is not None:
                 self._select(q, k_buf, sparse_layer, req_to_token, scale)
-            return self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
+            out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
+            self._audit(q, k_buf, sparse_layer, req_to_token, scale)
+            return out
         out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
+        self._audit(q, k_buf, sparse_layer, req_to_token, scale)   # before the next step's lists replace these
         with self._beside(q):
             self._select(q, k_buf, sparse_layer, req_to_token, scale)
         return out
+
+    def _audit(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
+        if self.audited:
+            lens, windows = self._layer_lists(sparse_layer)
+            self.manager.audit.record(sparse_layer, q, k_buf, lens, windows, self.H, self.cap, req_to_token, scale)
 
     @contextlib.contextmanager
     def _beside(self, q: torch.Tensor):

@@ -30,6 +30,7 @@ class Counters:
                                       "step (select_every > 1).", export=False)
     decode_host_syncs: int = _counter("Decode steps that read batch facts back from the GPU (0 while SGLang builds "
                                       "batches through ForwardBatch.init_new).")
+    audited_steps: int = _counter("Decode steps the recall audit measured (config recall_audit_every).")
     upload_fresh_buffers: int = _counter("Decode steps whose table upload took a fresh pinned buffer.", export=False)
     requested_dense_steps: int = _counter("Request decode steps past the budget run densely because the request asked "
                                           "for it (custom_params sparse_kv \"off\").")

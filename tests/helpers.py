@@ -43,3 +43,17 @@ def sparse_decode(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     out = scaled_dot_product_attention(q[:, None].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                        attn_mask=m.unsqueeze(0), scale=scale, enable_gqa=group > 1)
     return out[0, :, 0]
+
+
+def kept_mass_spec(q: torch.Tensor, k_buffer: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
+                   scale: float) -> float:
+    """The share of dense attention's mass on the masked tokens, averaged over query heads (the recall audit's
+    spec), in float64, head by head. q: [Hq, d]; slots: [S] KV slots by position; mask: [H, S] bool."""
+    H = mask.shape[0]
+    group = q.shape[0] // H
+    kept = []
+    for qh in range(q.shape[0]):
+        h = qh // group
+        p = torch.softmax(k_buffer[slots.long(), h].double() @ q[qh].double() * scale, dim=0)
+        kept.append(float(p[mask[h]].sum()))
+    return sum(kept) / len(kept)

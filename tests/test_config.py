@@ -57,6 +57,7 @@ def test_shipped_configs_load():
     ("lychee", {"rerank_factor": 2.0}, "key 'rerank_factor' must be int, got float 2.0"),
     ("quest", {"rerank_factor": 2}, "key 'rerank_factor' applies to --sparse-kv lychee, not quest"),
     ("lychee", {"select_every": 0}, "key 'select_every' must be > 0, got 0"),
+    ("quest", {"recall_audit_every": -1}, "key 'recall_audit_every' must be >= 0, got -1"),
     ("lychee", {"select_every": 4, "rerank_factor": 2}, "select_every > 1 needs head_roles 'all-retrieval'"),
     ("lychee", {"select_every": 4, "head_roles": "staggered-0.25"}, "select_every > 1 needs head_roles"),
     ("quest", {"select_every": 2}, "key 'select_every' applies to --sparse-kv lychee, not quest"),

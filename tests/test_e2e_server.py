@@ -74,11 +74,11 @@ def run_suite(srv, tok):
     return out
 
 
-# lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
+# quest: with the live recall audit measuring every second decode step past the budget; lychee-hybrid: hybrid heads with SmolLM2's calibrated role map (half of the sparse layers' heads retrieve), and the
 # two-stage selection (its retrieval heads score twice the budget's candidates); lychee-ahead-box: selection one step
 # ahead (each step attends to the lists selected at the step before), fine clusters ranked by their key boxes (built,
 # cached with the prefix's index, adopted and grown by grafts below)
-SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {}),
+SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {"recall_audit_every": 2}),
           "lychee-hybrid": ("lychee", {"head_roles": "smollm2-calibrated-0.5", "rerank_factor": 2}),
           "lychee-ahead-box": ("lychee", {"select_ahead": True, "fine_bound": "box"})}
 
@@ -231,6 +231,29 @@ def test_metrics_endpoint_exports_counters(sparse):
              if line.startswith("sglang:sparse_kv_sparse_steps{")]
     assert steps and steps[0] >= 1, text[-2000:]
     assert "sglang:sparse_kv_dense_fallback_steps{" in text
+
+
+def test_recall_audit_reports_the_mass_each_layer_group_kept(sparse):
+    """The quest server audits every second decode step past the budget: /server_info holds, per layer group, how
+    many (row, layer) values it measured and their mean and minimum share of dense attention's mass, and /metrics
+    the same values as a histogram. Servers without the audit report none."""
+    method, srv, out = sparse
+    stats = srv.stats()
+    if out["key"] != "quest":
+        assert "recall_audit" not in stats and stats["audited_steps"] == 0
+        return
+    groups = stats["recall_audit"]
+    assert list(groups) == ["2-8", "9-15", "16-22", "23-29"]   # SmolLM2's 28 sparse layers in four groups
+    assert stats["audited_steps"] >= 3   # the long prompt's 7 sparse steps alone hold 3 due ones
+    for g in groups.values():
+        assert g["samples"] >= 7 * stats["audited_steps"] // 4 and 0 < g["min"] <= g["mean"] <= 1 + 1e-5, groups
+        assert sum(g["buckets"].values()) == g["samples"]
+    # quest reads 256 of about 2K tokens: some audited layer kept less than all of the mass
+    assert min(g["min"] for g in groups.values()) < 0.999
+    text = requests.get(srv.url + "/metrics", timeout=30).text
+    counts = {line.split('layers="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sglang:sparse_kv_recall_kept_mass_count{")}
+    assert set(counts) == set(groups) and all(n >= 1 for n in counts.values()), text[-3000:]
 
 
 def test_requests_choose_dense_or_their_own_budget(sparse, smollm2_tokenizer):

@@ -12,8 +12,8 @@ import types
 import pytest
 import torch
 
-from helpers import graft_chunk, sparse_decode, sync_check
-from sgl_sparsekv import head_roles
+from helpers import graft_chunk, kept_mass_spec, sparse_decode, sync_check
+from sgl_sparsekv import head_roles, recall_audit
 from sgl_sparsekv.index import ClusterIndex, build_index, recount, union
 from sgl_sparsekv.index_pool import IndexPools, PoolCapacity, RangeAllocator
 from sgl_sparsekv.kernels.graft import GraftJob, graft_args, graft_chunks, graft_payload, precompile_graft
@@ -217,6 +217,9 @@ class TwinWorld(World):
         self.overflow = set()   # request rows whose step found no room in the selection scratch (dense)
         self.kept = {}   # select_every > 1: (request row, sparse layer) -> (mask, length) at its last selection
         self.reused = 0
+        self.sparse_steps = 0      # decode steps with a request past the budget
+        self.audits_checked = 0    # (audited row, sparse layer) values checked against the spec
+        self.audited_rows = 0
 
     def random_history(self, steps: int, start_below: float, decodes: int, shuffle: bool = False):
         """``steps`` random events: a request starts (while fewer than 3 live), a run of decode steps, or a request
@@ -274,7 +277,10 @@ class TwinWorld(World):
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1   # one padding row, as a captured batch size would add
-        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], budgets=[r.budget for r in reqs])
+        eager = self.steps == "eager" or (self.steps == "served" and not self.graph_allowed(reqs, seqs))
+        self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], eager=eager,
+                             budgets=[r.budget for r in reqs])
+        audited = self._audited(seqs)
         self.overflow = {row for i, row in enumerate(rows) if int(self.decoder.direct[i])}
         fresh = self.decoder.fresh[:len(rows)].tolist()
         list_rows = self.decoder.list_rows[:len(rows)].tolist()
@@ -306,7 +312,32 @@ class TwinWorld(World):
                     mask = tail
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, scale)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
+                self._audit_spec(audited, i, sl, q[i], l, r2t[row, :S], mask)
+        self._check_audit(audited)
 
+    def _audited(self, seqs) -> dict[int, int]:
+        """After a step's preparation: the batch rows the recall audit measures, by their row in its values."""
+        self.sparse_steps += any(S > self.cfg.token_budget for S in seqs)
+        self.audit_want = {}
+        audited = {a.i: r for r, a in enumerate(self.decoder.audited)}
+        assert all(self.pooled.states[self.decoder.audited[r].row].budget != OFF for r in audited.values())
+        self.audited_rows += len(audited)
+        return audited
+
+    def _audit_spec(self, audited, i, sl, q, l, slots, mask) -> None:
+        if i in audited:
+            self.audit_want[audited[i], sl] = kept_mass_spec(q, self.k[l], slots, mask, D ** -0.5)
+
+    def _check_audit(self, audited) -> None:
+        """The audit's values of the step (on the CPU its copy is done at once) are the spec's."""
+        if not audited:
+            return
+        got = self.manager.audit.pending[-1].get()
+        assert got.shape == (len(audited), LAYERS - self.cfg.dense_layers)
+        for (r, sl), want in self.audit_want.items():
+            assert abs(float(got[r, sl]) - want) < 1e-5, (r, sl, float(got[r, sl]), want)
+            self.audits_checked += 1
+        assert len(self.audit_want) == got.numel()
 
     def decode_batch_ahead(self, reqs):
         """select_ahead: a request attends to the spec's lists for its query of the step before (in the same
@@ -320,10 +351,13 @@ class TwinWorld(World):
                     and (row, 0) not in self.kept for row, S in zip(rows, seqs))
         eager = self.steps == "eager"
         if self.steps == "served":
+            audit = self.manager.audit
+            due = audit is not None and audit.due_next() and any(S > self.cfg.token_budget for S in seqs)
             eager = not self.graph_allowed(reqs, seqs)
-            assert eager == first
+            assert eager == (first or due)
         self.decoder.prepare(rows, seqs, padded, r2t, toks, lambda l: self.k[l], eager=eager,
                              budgets=[r.budget for r in reqs])
+        audited = self._audited(seqs)
         own_order = self.decoder.own_order
         assert own_order == (eager and first)
         n = len(rows)
@@ -348,6 +382,7 @@ class TwinWorld(World):
                     self.reused += not bool(before.all())
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, D ** -0.5)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
+                self._audit_spec(audited, i, sl, q[i], l, r2t[row, :S], mask)
                 self.kept.pop((row, sl), None)
                 if not selects[i]:
                     continue
@@ -357,7 +392,7 @@ class TwinWorld(World):
                     want = r2t[row, :S][own[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
                     self.lists_checked += 1
-
+        self._check_audit(audited)
 
     def graph_allowed(self, reqs, seqs) -> bool:
         """The plugin's hook on SGLang's ``can_run_graph``, asked as the graph runner asks it (SGLang said yes)."""
@@ -421,6 +456,32 @@ def test_requests_decode_at_their_own_budget_or_densely(method, overrides):
     assert asked == set(w.own_budgets)
     assert w.pooled.stats.requested_dense_steps > 0 and w.pooled.stats.dense_fallback_steps == 0
     assert w.lists_checked > 100
+
+
+@pytest.mark.parametrize("method,overrides", [("lychee", {}), ("lychee", {"head_roles": "staggered-0.5"}),
+                                              ("lychee", {"select_every": 3}), ("lychee", {"select_ahead": True}),
+                                              ("quest", {})])
+def test_recall_audit_measures_the_mass_each_audited_step_kept(method, overrides, monkeypatch):
+    """With recall_audit_every 3, every third decode step past the budget runs eagerly (the plugin's hook declines
+    its graph) and each audited row's value per sparse layer is the spec's: the share of dense attention's mass on
+    the tokens the step attended (lists, tail, the previous layer's lists for a sparse head), averaged over the
+    query heads; requests that asked for dense decoding are never audited. The histograms hold every value."""
+    monkeypatch.setattr(recall_audit, "KEY_BLOCK", 7)   # the dense logits in several blocks
+    monkeypatch.setattr(recall_audit, "AUDIT_ROWS", 2)   # fewer than the batch's rows: they take turns
+    w = TwinWorld(8, {**overrides, "recall_audit_every": 3}, steps="served", method=method)
+    w.own_budgets = [None, None, OFF]
+    w.rng = random.Random(8)
+    w.random_history(16, 0.4, 12)
+    for _ in range(6):
+        w.decode_batch(list(w.live))
+    audit, st = w.manager.audit, w.pooled.stats
+    # every third step past the budget was due and ran eagerly; those with a row to measure count as audited
+    assert audit.since == w.sparse_steps % 3 and 3 <= st.audited_steps <= w.sparse_steps // 3
+    assert w.audits_checked == w.audited_rows * (LAYERS - w.cfg.dense_layers)
+    groups = audit.snapshot()
+    assert sum(h["samples"] for h in groups.values()) == w.audits_checked
+    assert all(0 < h["min"] <= h["mean"] <= 1 + 1e-6 for h in groups.values())
+    assert sum(h["min"] < 1 - 1e-3 for h in groups.values()) > 0   # some selection left mass out
 
 
 def test_compaction_between_steps_keeps_every_request_on_its_index():
