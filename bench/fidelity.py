@@ -76,6 +76,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # weight 1, every coarse unit expanded; kept so its committed runs still name a method
            "quest-graphs": ("lychee", {"chunking": "fixed", "fine_bound": "box", "radius_weight": 1.0,
                                        "coarse_expand": 1024.0}),
+           # lychee with the live recall audit on every 8th sparse step (those steps run eagerly): its run records
+           # the share of dense attention's mass each layer group kept
+           "lychee-audit": ("lychee", {"recall_audit_every": 8}),
            # fp8 KV (--kv-cache-dtype fp8_e4m3, SERVER_FLAGS): each method against its own bf16 run of the same call
            **{f"{m}-fp8kv": (m, {}) for m in ("off", "lychee", "quest")}}
 # methods served with server flags of their own
@@ -256,6 +259,7 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
         return {"method": name, "budget": budget, "scores": scores, "counts": counts, "kv_read": round(kv, 4),
                 **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                    if stats.get("scored_tokens") else {}),
+                **({"recall_audit": stats["recall_audit"]} if "recall_audit" in stats else {}),
                 "cuda_graph": bool(gpu_backend) and not eager[name, budget],
                 **({"samples": kept} if kept < samples else {}),
                 **({"first_seed": own.start} if own.start != first else {})}

@@ -348,11 +348,7 @@ class IndexPools:
                     break
             else:
                 return None
-            old = slice(rng.chunk_at, rng.chunk_at + rng.chunks)
-            dst = slice(new, new + rng.chunks)
-            self.chunk_fine[:, dst] = self.chunk_fine[:, old]
-            self.chunk_start[dst] = self.chunk_start[old]
-            self.chunk_len[dst] = self.chunk_len[old]
+            self._move_rows("chunks", rng.chunk_at, new, rng.chunks)
             self.alloc["chunks"].free(rng.chunk_at, rng.chunk_rows)
             rng.chunk_at, rng.chunk_rows = new, size
         row = rng.chunk_at + rng.chunks
@@ -390,21 +386,25 @@ class IndexPools:
         follow (their rows are local: parents and chunk clusters count from their segment's first row). The copies
         queue on the current stream behind the steps that read the old rows; a decode step's table is built after."""
         at, size = LEVEL_ROWS[kind]
-        tensors = {"coarse": (self.coarse_mu, self.coarse_scale, self.coarse_r, self.coarse_tokens, self.coarse_n),
-                   "fine": (self.fine_mu, self.fine_scale, self.fine_r, self.fine_tokens, self.fine_n,
-                            self.fine_parent, self.fine_box),
-                   "chunks": (self.chunk_fine, self.chunk_start.view(1, -1), self.chunk_len.view(1, -1))}[kind]
         end = 0
         for rng in sorted(self.live.values(), key=lambda r: getattr(r, at)):
             start, rows = getattr(rng, at), getattr(rng, size)
-            held = rng.chunks if kind == "chunks" else rows   # rows past a chunk range's recorded ones are empty
-            if start != end:
-                for t in tensors:
-                    t[:, end:end + held] = t[:, start:start + held].clone()   # the ranges may overlap
+            if start != end:   # rows past a chunk range's recorded ones are empty
+                self._move_rows(kind, start, end, rng.chunks if kind == "chunks" else rows)
                 setattr(rng, at, end)
             end += rows
         self.alloc[kind].compacted(end)
         self.compactions += 1
+
+    def _move_rows(self, kind: str, src: int, dst: int, n: int) -> None:
+        """Copy ``n`` rows of one level from row ``src`` to row ``dst`` in every tensor of that level (the two
+        ranges may overlap)."""
+        tensors = {"coarse": (self.coarse_mu, self.coarse_scale, self.coarse_r, self.coarse_tokens, self.coarse_n),
+                   "fine": (self.fine_mu, self.fine_scale, self.fine_r, self.fine_tokens, self.fine_n,
+                            self.fine_parent, self.fine_box),
+                   "chunks": (self.chunk_fine, self.chunk_start.view(1, -1), self.chunk_len.view(1, -1))}[kind]
+        for t in tensors:
+            t[:, dst:dst + n] = t[:, src:src + n].clone()
 
     def free(self, rng: PoolRanges) -> None:
         self.alloc["coarse"].free(rng.coarse_at, rng.coarse)
