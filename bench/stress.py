@@ -5,6 +5,7 @@
     python3 -m bench.stress --model /tmp/tiny --size small --tp-size 2 --out /tmp/stress.json   # two GPUs
     python3 -m bench.stress --model /tmp/tiny --size small --page-size 16 --out /tmp/stress.json  # paged KV
     python3 -m bench.stress --model /tmp/tiny --size small --kv-cache-dtype fp8_e4m3 --out /tmp/stress.json  # fp8 KV
+    python3 -m bench.stress --model /tmp/tiny --size small --recall-audit-every 4 --out /tmp/stress.json  # the audit
     python3 -m bench.stress --model models/smollm2 --size cpu --out /tmp/stress.json  # the CPU engine (CI's test)
 
 One lychee server (on the GPU with CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
@@ -154,6 +155,8 @@ def main():
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--page-size", type=int, default=1, help="SGLang's KV page (the paged allocator and radix tree)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="SGLang's flag, for both servers (fp8_e4m3: fp8 KV)")
+    ap.add_argument("--recall-audit-every", type=int, default=0,
+                    help="the lychee server's recall_audit_every (its audited steps run outside CUDA graphs)")
     a = ap.parse_args()
     import torch
 
@@ -164,7 +167,8 @@ def main():
            "gpus": 0 if cpu else torch.cuda.device_count(),
            "server_args": server_args(a.size, a.tp_size, a.page_size, a.kv_cache_dtype),
            "budget": z["budget"]}
-    cfg = {"token_budget": z["budget"]}
+    cfg = {"token_budget": z["budget"], **({"recall_audit_every": a.recall_audit_every}
+                                           if a.recall_audit_every else {})}
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         t0 = time.perf_counter()

@@ -100,9 +100,9 @@ def test_audit_at_real_shapes_on_the_gpu_never_waits_for_it(kv_dtype):
     req_to_token = torch.stack([torch.randperm(slots, device="cuda", generator=g)[:S] for _ in range(2)]).int()
     lens = torch.tensor([cap - 7 * h for h in range(H)] * 2, device="cuda", dtype=torch.int32)
     windows = torch.empty(2 * H * cap, dtype=torch.int32, device="cuda")
-    for j in range(2 * H):   # each list: distinct positions before the tail, as slots of its row
+    for j in range(2 * H):   # each list: distinct positions before the tail, as slots of the request reading it
         pos = torch.randperm(S - 64, device="cuda", generator=g)[:cap]
-        windows[j * cap:(j + 1) * cap] = req_to_token[j // H, pos]
+        windows[j * cap:(j + 1) * cap] = req_to_token[1 - j // H, pos]
     audit = RecallAudit(every=1, sparse_layers=layers, first_layer=2)
     rows = [AuditedRow(1, 1, S, 0, S - 64), AuditedRow(0, 0, S, 1, S - 64)]   # batch row 1 reads list row 0
     assert audit.pick(rows, eager=True, device="cuda") == rows
