@@ -76,9 +76,9 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # weight 1, every coarse unit expanded; kept so its committed runs still name a method
            "quest-graphs": ("lychee", {"chunking": "fixed", "fine_bound": "box", "radius_weight": 1.0,
                                        "coarse_expand": 1024.0}),
-           # lychee with the live recall audit on every 8th sparse step (those steps run eagerly): its run records
-           # the share of dense attention's mass each layer group kept
-           "lychee-audit": ("lychee", {"recall_audit_every": 8}),
+           # lychee and quest with the live recall audit on every 8th sparse step (those steps run eagerly): their
+           # runs record the share of dense attention's mass each layer group kept
+           **{f"{m}-audit": (m, {"recall_audit_every": 8}) for m in ("lychee", "quest")},
            # fp8 KV (--kv-cache-dtype fp8_e4m3, SERVER_FLAGS): each method against its own bf16 run of the same call
            **{f"{m}-fp8kv": (m, {}) for m in ("off", "lychee", "quest")}}
 # methods served with server flags of their own

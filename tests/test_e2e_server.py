@@ -329,8 +329,11 @@ def test_next_turn_reuses_decode_chunks(sparse, smollm2_dir, smollm2_tokenizer):
     """A finished turn's output stays in the radix cache; the next turn reuses the chunks grafted while
     decoding it (a chat history is indexed once, not per turn). The chunks cut at decode are keyed with the grafts,
     so the next turn reuses those up to the last graft and cuts the chunks of the final recent window again (the
-    cached index ends at the last grafted chunk anyway)."""
-    method, srv, _ = sparse
+    cached index ends at the last grafted chunk anyway). Hybrid heads and the two-stage selection change what a step
+    selects, not how chunks are cut, grafted and reused: that server skips it (a minute of CI's CPU)."""
+    method, srv, out = sparse
+    if out["key"] == "lychee-hybrid":
+        pytest.skip("hybrid heads select differently; cuts, grafts and reuse are lychee's")
     tok = smollm2_tokenizer
     prompt, _ = passkey(tok, 1500, 0.5, seed=8)
     ids = tok.encode("Multi-turn check. " + prompt)
