@@ -31,6 +31,9 @@ as lychee does: the backend declines the CUDA graph for a batch holding such a r
 eager step that holds one runs every sparse layer in lychee's order (``own_order``) for each row that can select,
 keeping those lists for the next step. A request still without lists (one whose step could not select, or a first
 step inside a graph) attends to its whole sequence once (``direct``, counted in ``unselected_steps``).
+
+With the recall audit on (config ``recall_audit_every``), the audited rows of an eager step are measured after each
+sparse layer's attention, against the lists that attention read (``sgl_sparsekv/recall_audit.py``).
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ from sgl_sparsekv.kernels.select import (RANGE_FIELDS, RequestRanges, Segment, a
                                          emit_tokens_ref, scratch, select_fine)
 from sgl_sparsekv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_ref, workspace_for
 from sgl_sparsekv.manager import DEBUG, KeptLists, SparseKVManager, logger
-from sgl_sparsekv.recall_audit import AuditedRow
 from sgl_sparsekv.pool_ops import select_fine_ref
+from sgl_sparsekv.recall_audit import AuditedRow
 from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.transfer import StagedUpload
 

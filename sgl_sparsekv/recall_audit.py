@@ -6,8 +6,9 @@ their budget, the audit computes the softmax over the row's whole sequence and s
 attended (its token lists plus its tail): the share of dense attention's mass the selection kept, averaged over
 the row's query heads. The values stay on the device until a copy that nothing waits for reaches the host
 (``transfer.LateRead``); later steps fold the copies that landed into one histogram per layer group, which
-``/server_info`` and Prometheus read. An audited step costs one dense attention per audited row and sparse layer
-beside the sparse one, plus the step's graph replay: with N in the hundreds that is well under 1% of decode time.
+``/server_info`` and Prometheus read. An audited step costs, per audited row and sparse layer, a dense attention
+beside the sparse one, and it runs eagerly where it would have replayed a graph (its cost in serving is not measured
+yet).
 """
 
 from __future__ import annotations
