@@ -22,6 +22,7 @@ import statistics
 import torch
 import triton
 
+from bench.bench_kernels import graph_bench
 from sgl_sparsekv.kernels.host_copy import copy_runs
 
 H, D = 8, 128
@@ -43,15 +44,6 @@ def wall_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_ms(fn, reps: int = 10) -> float:
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return float(triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median")) / reps
-
-
 def random_runs(J: int, n: int, pool_rows: int, buf_rows: int, gen: torch.Generator) -> torch.Tensor:
     """J runs of n rows: a random head, a random n-aligned source, destinations packed per head (a buffer's rows)."""
     head = torch.randint(H, (J,), generator=gen)
@@ -71,7 +63,7 @@ def case(host_k, host_v, dev_k, dev_v, buf_k, buf_v, J: int, n: int, gen) -> dic
     out = {"runs": J, "rows": n, "mbytes": nbytes / 2**20}
 
     out["kernel_uva"] = wall_ms(lambda: copy_runs(host_k, host_v, buf_k, buf_v, runs, count))
-    out["kernel_graph"] = graph_ms(lambda: copy_runs(host_k, host_v, buf_k, buf_v, runs, count))
+    out["kernel_graph"] = graph_bench(lambda: copy_runs(host_k, host_v, buf_k, buf_v, runs, count))
     out["kernel_device"] = wall_ms(lambda: copy_runs(dev_k, dev_v, buf_k, buf_v, runs, count))
 
     plan = runs_cpu.tolist()

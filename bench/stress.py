@@ -16,8 +16,8 @@ shared prefixes (32K, 2K, 1K), each with a question of its own (its index adopte
 ``/abort_request``; some asking for dense decoding or a budget of their own (``custom_params``). It passes when every request that was not aborted returns all its tokens, the server stays
 healthy, and once traffic ends ``/server_info`` reads idle without any further request (no live request state, no
 pool row in use, every unit reference accounted for) and empty after ``/flush_cache``, on every TP rank, and the
-ranks cut and grafted the same units. Then greedy tokens of prompts within the budget are compared with a dense
-server's.
+ranks cut and grafted the same units. Greedy tokens of prompts within the budget must be the same after the load as
+before it, and (on the GPU, with CUDA graphs) a dense server's; on the CPU the e2e suite compares them with dense.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ SIZES = {"full": dict(lengths=[1024, 4096, 16384, 32768, 65536], requests=72, co
          "small": dict(lengths=[1024, 2048, 4096], requests=24, concurrency=24, outs=[16, 64, 256], budget=1024,
                        pool=40000, context=70000),
          # the CPU engine: SmolLM2 (8K context); 8 requests of up to 2K run at once over a pool of 8K tokens, and 96
-         # new tokens take a request past its recent window (64) into grafts
-         "cpu": dict(lengths=[512, 1024, 2048], requests=16, concurrency=8, outs=[16, 96], budget=256, pool=8192,
+         # new tokens take a request past its recent window (64) into grafts. 12 requests hold every kind of request
+         # and of custom_params at least once (CI's CPU time: 16 took 490 s of one core)
+         "cpu": dict(lengths=[512, 1024, 2048], requests=12, concurrency=8, outs=[16, 96], budget=256, pool=8192,
                      context=4096)}
 
 
@@ -171,6 +172,7 @@ def main():
                                            if a.recall_audit_every else {})}
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
+        greedy_before = greedy_short(srv, a.seed, z["budget"])
         t0 = time.perf_counter()
         with ThreadPoolExecutor(z["concurrency"]) as pool:
             results = list(pool.map(lambda j: run_job(srv.url, j), jobs))
@@ -184,9 +186,12 @@ def main():
         res["metrics_exported"] = "sglang:sparse_kv_index_pool_fill" in requests.get(srv.url + "/metrics",
                                                                                      timeout=60).text
         res["greedy_lychee"] = greedy_short(srv, a.seed, z["budget"])
-    with Server(a.model, "off", None, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.dense.log",
-                timeout=900) as srv:
-        res["greedy_dense"] = greedy_short(srv, a.seed, z["budget"])
+    greedy = {"greedy_after_load_equal_before": res["greedy_lychee"] == greedy_before}
+    if not cpu:
+        with Server(a.model, "off", None, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.dense.log",
+                    timeout=900) as srv:
+            res["greedy_dense"] = greedy_short(srv, a.seed, z["budget"])
+        greedy["greedy_within_budget_equal_dense"] = res["greedy_lychee"] == res["greedy_dense"]
     res["results"] = results
     counts = {}
     for r in results:
@@ -196,7 +201,7 @@ def main():
     res["counts"] = counts
     res["checks"] = dict(idle_checks(idle, flushed), healthy_after=res["healthy_after"],
                          every_request_ok=all(r["ok"] for r in results), metrics_exported=res["metrics_exported"],
-                         greedy_within_budget_equal_dense=res["greedy_lychee"] == res["greedy_dense"])
+                         **greedy)
     res["passed"] = all(res["checks"].values())
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

@@ -1,11 +1,12 @@
-"""The issues' targets against the committed results: #10 (speed in serving) and #11 (fidelity on real weights).
+"""The issues' targets against the committed results: #10 (speed in serving), #11 (fidelity on real weights) and #94
+(fidelity on the test split).
 
 Each row reads its measured values from ``bench/results`` (or, for index memory, from the pools' sizing in
 ``sgl_sparsekv.index_pool``), decides from them whether the target is met, and names the files; a miss carries its
 measured cause in one line (``docs/RESULTS.md`` says more). A target's verdict reads the default configuration in
 one run (one commit, one card, dense in the same call); where an option was measured against the same target, it
-is a row of its own, labelled "option", never the verdict. ``python -m bench.update_readme`` writes the two tables
-into the README; ``python -m bench.targets [targets10|targets11]`` prints them.
+is a row of its own, labelled "option", never the verdict. ``python -m bench.update_readme`` writes the tables
+into the README; ``python -m bench.targets [targets10|targets11|targets94]`` prints them.
 """
 
 from __future__ import annotations
@@ -555,6 +556,74 @@ def recall() -> list[str]:
                                                                               why)]
 
 
+# -- #94: the test split (samples no default was chosen on), the default at budget 1024, dense and Quest in one call --
+
+TEST_SPLIT = {"16K": "fidelity_qwen2.5-coder-0.5b_16k_test_gpu.json"}
+HELD_OUT_30K = "fidelity_qwen2.5-coder-0.5b_30k_heldout_test_gpu.json"
+
+
+def one_call(runs: list, *methods) -> dict:
+    """The runs of ``methods`` (at budget 1024; dense at none) of one call, one commit and one card, over the seeds
+    all of them served; None where some method has no run in that call."""
+    by = {(r["method"], r["budget"]): r for r in runs}
+    got = [by.get((m, None if m == "off" else 1024)) for m in methods]
+    if None in got or len({(r["commit"], r.get("gpu")) for r in got}) != 1:
+        return None
+    k = min(per_task(r) for r in got)
+    return {m: {**r, "counts": first_seeds(r, k)} for m, r in zip(methods, got)}
+
+
+def beaten_by(base: dict, run: dict, name: str) -> list[str]:
+    return [f"{name} ahead on {w}" for w in tasks_worse(base, run)]
+
+
+def closest(base: dict, run: dict) -> str:
+    """The family where ``base`` leads ``run`` with the lowest sign-test p."""
+    cells = [(sign_test(*lg), c, lg) for c in base["counts"] if (lg := paired({c: base["counts"][c]},
+                                                                             {c: run["counts"][c]}))[0] > lg[1]]
+    if not cells:
+        return "none"
+    p, c, (lost, gained) = min(cells)
+    return (f"{c.split('@')[0].replace('_', ' ')} {run['counts'][c]['correct']} against {base['counts'][c]['correct']}"
+            f" ({lost} lost, {gained} gained, p {p:.2f})")
+
+
+def test_split(length: str) -> list[list[str]]:
+    """The two held-out-sample targets at ``length``: the mean over every family within 1 point of dense, and no family
+    where dense or Quest beats lychee outside its 95% interval (exact sign test over the paired samples)."""
+    name = TEST_SPLIT[length]
+    r = one_call(load(name)["runs"], "off", "lychee", "quest")
+    n = sum(v["n"] for v in r["off"]["counts"].values())
+    score = {m: correct(r[m]) for m in r}
+    points = (score["off"] - score["lychee"]) / n * 100
+    at = f"{r['lychee']['commit']}, {r['lychee']['gpu']}, `{name}`"
+    measured = (f"{n // len(r['off']['counts'])} samples of each of {len(r['off']['counts'])} families: lychee "
+                f"{score['lychee']} of {n}, dense {score['off']}, Quest {score['quest']} ({at})")
+    worse = beaten_by(r["off"], r["lychee"], "dense") + beaten_by(r["quest"], r["lychee"], "Quest")
+    lost, gained = paired_on_shared_seeds(r["quest"], r["lychee"])
+    return [[f"{length}, test split: lychee within 1 point of dense on the mean over every family", measured,
+             verdict(points <= 1, f"{points:.1f} points below")],
+            [f"{length}, test split: no family where dense or Quest beats lychee outside its 95% interval",
+             f"lychee against Quest {gained} gained, {lost} lost over all families (sign test p "
+             f"{sign_test(lost, gained):.2f}); the family where dense leads closest to significance: "
+             f"{closest(r['off'], r['lychee'])}; where Quest does: {closest(r['quest'], r['lychee'])}",
+             verdict(not worse, "; ".join(worse))]]
+
+
+def held_out_30k() -> list[str]:
+    """The held-out record families at 30K: a verdict needs answers dense attention itself gives."""
+    r = one_call(load(HELD_OUT_30K)["runs"], "off", "lychee", "quest")
+    n = sum(v["n"] for v in r["off"]["counts"].values())
+    per = {m: correct(r[m]) for m in r}
+    answered = [c.split("@")[0].replace("_", " ") for c, v in r["off"]["counts"].items() if v["correct"]]
+    measured = (f"{n // len(r['off']['counts'])} samples of each of the {len(r['off']['counts'])} held-out families: "
+                f"dense {per['off']}, lychee {per['lychee']}, Quest {per['quest']} of {n} "
+                f"({r['lychee']['commit']}, {r['lychee']['gpu']}, `{HELD_OUT_30K}`)")
+    return ["30K, test split: on the structured-record families lychee at least Quest's score at equal KV read",
+            measured, f"no verdict: Qwen2.5-Coder-0.5B answers {per['off']} of {n} densely (only "
+            f"{', '.join(answered)}); both sparse methods lose those, lychee {per['lychee']}, Quest {per['quest']}"]
+
+
 TABLES = {"targets10": ("Issue #10's targets (each serving result from one card, an H200 unless named, dense measured "
                         "on the same machine)",
                         (shared_prefix, shared_prefix_options, random_ids, tpot_batch1, tpot_batch1_options,
@@ -564,7 +633,10 @@ TABLES = {"targets10": ("Issue #10's targets (each serving result from one card,
                          lambda: near_dense("16K", "lychee-ahead-box-0.25", "select_ahead and fine_bound box"),
                          lambda: near_dense("30K"), lambda: near_dense("30K", "lychee-box-0.25", "fine_bound box"),
                          lambda: near_dense("30K", "lychee-ahead-box-0.25", "select_ahead and fine_bound box"),
-                         structured_vs_quest, recall))}
+                         structured_vs_quest, recall)),
+          "targets94": ("Issue #94's targets on the test split (Qwen2.5-Coder-0.5B, real weights, the default "
+                        "configuration at budget 1024, dense and Quest in the same call on one H100, CUDA graphs on)",
+                        (lambda: test_split("16K"), held_out_30k))}
 
 
 def table(key: str) -> str:

@@ -13,6 +13,7 @@ TARGETS = (("docs/RESULTS.md", "results", ["bench.report"]), ("README.md", "late
            ("README.md", "pays", ["bench.glance", "--pays"]), ("README.md", "glance", ["bench.glance"]),
            ("README.md", "targets10", ["bench.targets", "targets10"]),
            ("README.md", "targets11", ["bench.targets", "targets11"]),
+           ("README.md", "targets94", ["bench.targets", "targets94"]),
            ("README.md", "sweep", ["bench.frontier", "--tables"]))
 
 

@@ -158,3 +158,19 @@ def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_
     runs[3]["commit"] = "c"   # not served together with the latest dense: no verdict, whatever it would read
     runs[1] = run("lychee", "a", range(6))
     assert tg.near_dense("16K")[2] == "no verdict: dense and lychee ran in different calls (would read **met**)"
+
+
+def test_a_test_split_verdict_reads_dense_lychee_and_quest_of_one_call_on_their_shared_seeds():
+    from bench.targets import one_call
+
+    def run(method, commit, failed, n):
+        return {"method": method, "budget": None if method == "off" else 1024, "commit": commit, "gpu": "GPU-a",
+                "counts": {"passkey@16000": {"correct": n - len(failed), "n": n, "failed": failed}}}
+
+    runs = [run("off", "c1", [0], 50), run("lychee", "c1", [1, 45], 50), run("quest", "c1", [2], 44)]
+    got = one_call(runs, "off", "lychee", "quest")
+    # the seeds all three served (the deadline cut Quest at 44): lychee's failure at seed 45 falls outside them
+    assert {m: r["counts"]["passkey@16000"]["correct"] for m, r in got.items()} == {"off": 43, "lychee": 43,
+                                                                                    "quest": 43}
+    assert one_call(runs[:2] + [run("quest", "c2", [2], 50)], "off", "lychee", "quest") is None   # another call
+    assert one_call(runs[:2], "off", "lychee", "quest") is None
