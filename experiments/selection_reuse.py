@@ -1,0 +1,158 @@
+"""How much of a decode step's selection the steps before it already selected: the hit rate a per-request device
+buffer of hot tokens would get, by its size (issue #93: it sizes the host tier's buffers; bench_host_copy's 29 GB/s
+says the misses must stay near 2% at batch 32). One-off: what it decided is in docs/RESULTS.md.
+
+    python -m experiments.selection_reuse --model-dir models/qwen2.5-coder-0.5b --length 4000 --budget 256 \
+        --out /tmp/reuse.json                                            # the CPU, fp32
+    python3 -m experiments.selection_reuse --device cuda --model-dir /tmp/qwen2.5-coder-0.5b --length 30000 \
+        --budget 1024 --out $OUT/reuse.json                              # the GPU machine, bf16
+
+For each dev sample: the model writes ``--steps`` tokens greedily after the prompt; one forward over prompt and output
+captures every layer's post-RoPE queries and keys. Lychee's index is built over the prompt's chunks (structure cuts,
+unit keys as the server pools them, the default config), and each output position's query selects chunks through
+``sgl_sparsekv.select`` as a decode step would (the sink and the recent window are on the device anyway and are left
+out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in tokens keeps the chunks used most
+recently; a step's hit rate is the share of its selected tokens already there. Reported: the mean over steps after
+the first, layers and heads, per buffer size, and per layer group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from bench.tasks import make
+from sgl_sparsekv.chunking import BoundaryTable, Chunker
+from sgl_sparsekv.config import SparseKVConfig
+from sgl_sparsekv.index import build_index
+from sgl_sparsekv.select import select_chunks
+
+SIZES = (1.0, 1.5, 2.0, 3.0, 4.0)   # buffer tokens per (request, layer, KV head), in retrieved budgets
+
+
+def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (q [Hq, T, d], k [H, T, d]) in fp32."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import AttentionInterface
+
+    layers = []
+
+    def grab(module, q, k, v, *args, **kwargs):
+        layers.append((q[0].detach().float(), k[0].detach().float()))
+        return sdpa_attention_forward(module, q, k, v, *args, **kwargs)
+
+    AttentionInterface.register("capture", grab)
+    model.config._attn_implementation = "capture"
+    with torch.no_grad():
+        model(ids[None], logits_to_keep=1)
+    model.config._attn_implementation = "sdpa"
+    return layers
+
+
+class LRU:
+    """Chunks in a buffer of ``capacity`` tokens, the least recently used evicted first."""
+
+    def __init__(self, capacity: float):
+        self.capacity, self.used, self.last = capacity, 0, {}
+
+    def step(self, chunks: list[int], lens: np.ndarray, t: int) -> int:
+        """-> the tokens already here of a step that needs ``chunks``."""
+        hit = int(sum(lens[c] for c in chunks if c in self.last))
+        for c in chunks:
+            if c not in self.last:
+                self.used += int(lens[c])
+            self.last[c] = t
+        for c in sorted(self.last, key=self.last.get):
+            if self.used <= self.capacity or self.last[c] == t:
+                break
+            self.used -= int(lens[c])
+            del self.last[c]
+        return hit
+
+
+def sample_reuse(model, tok, cfg: SparseKVConfig, chunker: Chunker, prompt: str, steps: int) -> dict:
+    dev = model.device
+    ids = torch.tensor(tok.encode(prompt), device=dev)
+    out = model.generate(ids[None], max_new_tokens=steps, min_new_tokens=steps, do_sample=False)[0]
+    P = len(ids)
+    layers = capture(model, out)
+    ends = chunker.cuts(ids.cpu().numpy())
+    starts = np.r_[0, ends[:-1]]
+    keep = starts >= cfg.sink_tokens   # chunks past the sink, as the server indexes them
+    starts, ends = starts[keep], ends[keep]
+    lens = ends - starts
+    pos = torch.arange(P, device=dev)
+    chunk_of = torch.as_tensor(np.searchsorted(ends, pos.cpu().numpy(), side="right"), device=dev)
+    inside = (pos >= int(starts[0])) & (chunk_of < len(ends))
+    retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+    per_layer = {}
+    for layer in range(cfg.dense_layers, len(layers)):
+        q, k = layers[layer]
+        H, d = k.shape[0], k.shape[-1]
+        G = q.shape[0] // H
+        keys = torch.zeros(H, len(ends), d, device=dev).index_add_(1, chunk_of[inside], k[:, :P][:, inside])
+        keys = F.normalize(keys / torch.as_tensor(lens, device=dev, dtype=torch.float32)[None, :, None], dim=-1)
+        index = build_index(keys, torch.as_tensor(lens, device=dev), cfg.fine_cluster_size, cfg.max_coarse,
+                            cfg.kmeans_iters)
+        buffers = [[LRU(m * retrieve) for _ in range(H)] for m in SIZES]
+        hits = np.zeros((len(SIZES), steps - 1))
+        need = np.zeros(steps - 1)
+        for t in range(steps):
+            qt = q[:, P + t].view(H, G, d)
+            sel = select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce, cfg.radius_weight)
+            for h in range(H):
+                chunks = sel[h].nonzero().flatten().tolist()
+                for s, lru in enumerate(buffers):
+                    hit = lru[h].step(chunks, lens, t)
+                    if t:
+                        hits[s, t - 1] += hit
+                if t:
+                    need[t - 1] += lens[chunks].sum()
+        per_layer[layer] = {"hit_rate": {str(m): float(hits[s].sum() / max(need.sum(), 1)) for s, m in enumerate(SIZES)},
+                            "worst_step": {str(m): float((hits[s] / np.maximum(need, 1)).min())
+                                           for s, m in enumerate(SIZES)}}
+    return {"prompt_tokens": P, "chunks": len(ends), "layers": per_layer}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--length", type=int, default=4000)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--tasks", nargs="+", default=["niah_multivalue", "variable_tracking", "json_value", "code_return"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(a.model_dir)
+    dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=dtype).to(a.device).eval()
+    cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
+    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, BoundaryTable.from_tokenizer(tok, model.config.vocab_size))
+    res = {"model": a.model_dir, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
+           "length": a.length, "budget": a.budget, "steps": a.steps, "sizes": SIZES, "samples": []}
+    for task in a.tasks:
+        for seed in a.seeds:
+            got = sample_reuse(model, tok, cfg, chunker, make(task, tok, a.length, seed).prompt, a.steps)
+            res["samples"].append({"task": task, "seed": seed, **got})
+            rates = [np.mean([x["hit_rate"][str(m)] for x in got["layers"].values()]) for m in SIZES]
+            print(task, seed, {m: round(float(r), 4) for m, r in zip(SIZES, rates)}, flush=True)
+    layers = sorted(res["samples"][0]["layers"])
+    res["mean"] = {str(m): float(np.mean([s["layers"][lay]["hit_rate"][str(m)] for s in res["samples"]
+                                          for lay in layers])) for m in SIZES}
+    res["mean_per_layer"] = {lay: {str(m): float(np.mean([s["layers"][lay]["hit_rate"][str(m)] for s in res["samples"]]))
+                                   for m in SIZES} for lay in layers}
+    print(json.dumps(res["mean"]))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
