@@ -42,12 +42,12 @@ def check(heads, src_rows, dst_rows, D, n_runs, count, layout, dtype=torch.bfloa
     runs = make_runs(heads, src_rows, dst_rows, n_runs, gen)
     runs_dev = torch.cat([runs, torch.full((3, 4), -1, dtype=torch.int32)]).to(DEV)   # capacity past the runs
     count_t = torch.tensor([count], dtype=torch.int32, device=DEV)
+    before = dk.clone()
     want_k, want_v = dk.clone(), dv.clone()
     copy_runs_ref(sk, sv, want_k, want_v, runs, count_t.cpu())
     copy_runs(sk, sv, dk, dv, runs_dev, count_t)
     assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
-    assert count == 0 or not torch.equal(dk, pools(heads, src_rows, dst_rows, D, dtype, layout,
-                                                   torch.Generator().manual_seed(seed), host)[2])   # rows did move
+    assert count == 0 or not torch.equal(dk, before)   # rows did move
 
 
 @pytest.mark.parametrize("layout", ["heads", "slots"])
