@@ -146,6 +146,20 @@ def greedy_short(srv: Server, seed: int, budget: int) -> list[list[int]]:
     return out
 
 
+def shared_prefix_pair(srv: Server, seed: int, prefix_len: int) -> dict:
+    """Two requests over one new prefix, one after the other on the idle server: the second must adopt the first's
+    cached index and cluster only its own question (under the load, two such requests may be prefilled in one batch
+    and both build, so the load alone cannot be relied on for this)."""
+    rng = random.Random(seed + 1)
+    prefix = [rng.randrange(1000, 30_000) for _ in range(prefix_len)]
+    before = srv.rank_stats()
+    for n in (96, 160):
+        srv.generate_ids(prefix + [rng.randrange(1000, 30_000) for _ in range(n)], 8, ignore_eos=True)
+    wait_idle(srv)
+    after = srv.rank_stats()
+    return {k: [b[k] - a[k] for a, b in zip(before, after)] for k in ("index_builds", "index_reused", "index_extends")}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -173,6 +187,7 @@ def main():
     with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         greedy_before = greedy_short(srv, a.seed, z["budget"])
+        res["shared_prefix_pair"] = shared_prefix_pair(srv, a.seed, z["lengths"][-2])
         t0 = time.perf_counter()
         with ThreadPoolExecutor(z["concurrency"]) as pool:
             results = list(pool.map(lambda j: run_job(srv.url, j), jobs))
@@ -199,7 +214,10 @@ def main():
         c["sent"] += 1
         c["ok"] += bool(r["ok"])
     res["counts"] = counts
+    pair = res["shared_prefix_pair"]
     res["checks"] = dict(idle_checks(idle, flushed), healthy_after=res["healthy_after"],
+                         second_of_a_shared_prefix_adopted=all(r == 1 and e == 1 for r, e in
+                                                               zip(pair["index_reused"], pair["index_extends"])),
                          every_request_ok=all(r["ok"] for r in results), metrics_exported=res["metrics_exported"],
                          **greedy)
     res["passed"] = all(res["checks"].values())
