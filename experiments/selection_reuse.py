@@ -12,8 +12,10 @@ captures every layer's post-RoPE queries and keys. Lychee's index is built over 
 unit keys as the server pools them, the default config), and each output position's query selects chunks through
 ``sgl_sparsekv.select`` as a decode step would (the sink and the recent window are on the device anyway and are left
 out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in tokens keeps the chunks used most
-recently; a step's hit rate is the share of its selected tokens already there. Reported: the mean over steps after
-the first, layers and heads, per buffer size, and per layer group.
+recently; its hit rate is the share of the tokens attended over the steps after the first that it did not have to
+load. With ``select_every`` k a request selects at every k-th step and attends to those lists in between, so only
+every k-th step loads (k = 1, 4, 8). Reported per period and buffer size: the mean over samples and sparse layers
+(heads pooled), per layer, and each layer's worst selecting step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sgl_sparsekv.index import build_index
 from sgl_sparsekv.select import select_chunks
 
 SIZES = (1.0, 1.5, 2.0, 3.0, 4.0)   # buffer tokens per (request, layer, KV head), in retrieved budgets
+PERIODS = (1, 4, 8)                 # select_every: steps between two selections
 
 
 def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -98,23 +101,30 @@ def sample_reuse(model, tok, cfg: SparseKVConfig, chunker: Chunker, prompt: str,
         keys = F.normalize(keys / torch.as_tensor(lens, device=dev, dtype=torch.float32)[None, :, None], dim=-1)
         index = build_index(keys, torch.as_tensor(lens, device=dev), cfg.fine_cluster_size, cfg.max_coarse,
                             cfg.kmeans_iters)
-        buffers = [[LRU(m * retrieve) for _ in range(H)] for m in SIZES]
-        hits = np.zeros((len(SIZES), steps - 1))
-        need = np.zeros(steps - 1)
+        # per selection period k (select_every): the lists of step t are the ones selected at the last multiple
+        # of k, so only those steps load; a buffer's misses over every step's attended tokens is its miss rate
+        buffers = {k: [[LRU(m * retrieve) for _ in range(H)] for m in SIZES] for k in PERIODS}
+        misses = {k: np.zeros(len(SIZES)) for k in PERIODS}
+        worst = {k: np.ones(len(SIZES)) for k in PERIODS}
+        attended = 0
         for t in range(steps):
             qt = q[:, P + t].view(H, G, d)
             sel = select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce, cfg.radius_weight)
-            for h in range(H):
-                chunks = sel[h].nonzero().flatten().tolist()
-                for s, lru in enumerate(buffers):
-                    hit = lru[h].step(chunks, lens, t)
+            chunks = [sel[h].nonzero().flatten().tolist() for h in range(H)]
+            need = sum(int(lens[c].sum()) for c in chunks)
+            attended += need * (t > 0)
+            for k in PERIODS:
+                if t % k:
+                    continue
+                for s, lru in enumerate(buffers[k]):
+                    hit = sum(lru[h].step(chunks[h], lens, t) for h in range(H))
                     if t:
-                        hits[s, t - 1] += hit
-                if t:
-                    need[t - 1] += lens[chunks].sum()
-        per_layer[layer] = {"hit_rate": {str(m): float(hits[s].sum() / max(need.sum(), 1)) for s, m in enumerate(SIZES)},
-                            "worst_step": {str(m): float((hits[s] / np.maximum(need, 1)).min())
-                                           for s, m in enumerate(SIZES)}}
+                        misses[k][s] += need - hit
+                        worst[k][s] = min(worst[k][s], hit / max(need, 1))
+        per_layer[layer] = {f"every_{k}": {"hit_rate": {str(m): float(1 - misses[k][s] / max(attended, 1))
+                                                        for s, m in enumerate(SIZES)},
+                                           "worst_step": {str(m): float(worst[k][s]) for s, m in enumerate(SIZES)}}
+                            for k in PERIODS}
     return {"prompt_tokens": P, "chunks": len(ends), "layers": per_layer}
 
 
@@ -137,18 +147,23 @@ def main():
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
     chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, BoundaryTable.from_tokenizer(tok, model.config.vocab_size))
     res = {"model": a.model_dir, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
-           "length": a.length, "budget": a.budget, "steps": a.steps, "sizes": SIZES, "samples": []}
+           "length": a.length, "budget": a.budget, "steps": a.steps, "sizes": SIZES, "periods": PERIODS, "samples": []}
     for task in a.tasks:
         for seed in a.seeds:
             got = sample_reuse(model, tok, cfg, chunker, make(task, tok, a.length, seed).prompt, a.steps)
             res["samples"].append({"task": task, "seed": seed, **got})
-            rates = [np.mean([x["hit_rate"][str(m)] for x in got["layers"].values()]) for m in SIZES]
-            print(task, seed, {m: round(float(r), 4) for m, r in zip(SIZES, rates)}, flush=True)
+            print(task, seed, {k: {m: round(float(np.mean([x[f"every_{k}"]["hit_rate"][str(m)]
+                                                            for x in got["layers"].values()])), 4) for m in SIZES}
+                               for k in PERIODS}, flush=True)
     layers = sorted(res["samples"][0]["layers"])
-    res["mean"] = {str(m): float(np.mean([s["layers"][lay]["hit_rate"][str(m)] for s in res["samples"]
-                                          for lay in layers])) for m in SIZES}
-    res["mean_per_layer"] = {lay: {str(m): float(np.mean([s["layers"][lay]["hit_rate"][str(m)] for s in res["samples"]]))
-                                   for m in SIZES} for lay in layers}
+
+    def mean(k, m, lays=layers):
+        return float(np.mean([s["layers"][lay][f"every_{k}"]["hit_rate"][str(m)] for s in res["samples"]
+                              for lay in lays]))
+
+    res["mean"] = {f"every_{k}": {str(m): mean(k, m) for m in SIZES} for k in PERIODS}
+    res["mean_per_layer"] = {lay: {f"every_{k}": {str(m): mean(k, m, [lay]) for m in SIZES} for k in PERIODS}
+                             for lay in layers}
     print(json.dumps(res["mean"]))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
