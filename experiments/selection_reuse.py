@@ -11,8 +11,9 @@ For each dev sample: the model writes ``--steps`` tokens greedily after the prom
 captures every layer's post-RoPE queries and keys. Lychee's index is built over the prompt's chunks (structure cuts,
 unit keys as the server pools them, the default config), and each output position's query selects chunks through
 ``sgl_sparsekv.select`` as a decode step would (the sink and the recent window are on the device anyway and are left
-out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in tokens keeps the chunks used most
-recently; its hit rate is the share of the tokens attended over the steps after the first that it did not have to
+out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in device rows keeps the chunks used
+most recently, by the tier's own policy (``sgl_sparsekv.residency.HotChunks``: slots of ``chunk_max`` rows, one chunk
+each, at least as many as one selection can name); its hit rate is the share of the tokens attended over the steps after the first that it did not have to
 load. With ``select_every`` k a request selects at every k-th step and attends to those lists in between, so only
 every k-th step loads (k = 1, 4, 8). Reported per period and buffer size: the mean over samples and sparse layers
 (heads pooled), per layer, and each layer's worst selecting step.
@@ -31,9 +32,10 @@ from bench.tasks import make
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
 from sgl_sparsekv.index import build_index
+from sgl_sparsekv.residency import HotChunks
 from sgl_sparsekv.select import select_chunks
 
-SIZES = (1.0, 1.5, 2.0, 3.0, 4.0)   # buffer tokens per (request, layer, KV head), in retrieved budgets
+SIZES = (2.0, 3.0, 4.0)   # device rows of a (request, layer, KV head)'s buffer, in retrieved budgets
 PERIODS = (1, 4, 8)                 # select_every: steps between two selections
 
 
@@ -54,27 +56,6 @@ def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]
         model(ids[None], logits_to_keep=1)
     model.config._attn_implementation = "sdpa"
     return layers
-
-
-class LRU:
-    """Chunks in a buffer of ``capacity`` tokens, the least recently used evicted first."""
-
-    def __init__(self, capacity: float):
-        self.capacity, self.used, self.last = capacity, 0, {}
-
-    def step(self, chunks: list[int], lens: np.ndarray, t: int) -> int:
-        """-> the tokens already here of a step that needs ``chunks``."""
-        hit = int(sum(lens[c] for c in chunks if c in self.last))
-        for c in chunks:
-            if c not in self.last:
-                self.used += int(lens[c])
-            self.last[c] = t
-        for c in sorted(self.last, key=self.last.get):
-            if self.used <= self.capacity or self.last[c] == t:
-                break
-            self.used -= int(lens[c])
-            del self.last[c]
-        return hit
 
 
 def sample_reuse(model, tok, cfg: SparseKVConfig, chunker: Chunker, prompt: str, steps: int) -> dict:
@@ -103,24 +84,34 @@ def sample_reuse(model, tok, cfg: SparseKVConfig, chunker: Chunker, prompt: str,
                             cfg.kmeans_iters)
         # per selection period k (select_every): the lists of step t are the ones selected at the last multiple
         # of k, so only those steps load; a buffer's misses over every step's attended tokens is its miss rate
-        buffers = {k: [[LRU(m * retrieve) for _ in range(H)] for m in SIZES] for k in PERIODS}
+        W = cfg.chunk_max
+        most = retrieve // cfg.chunk_min + 2   # chunks one selection may name
+        slots = [max(-(-int(m * retrieve) // W), most) for m in SIZES]
+        buffers = {k: [HotChunks(1, 1, H, n, W, torch.zeros(1, dtype=torch.int64)) for n in slots] for k in PERIODS}
+        positions = torch.arange(P, dtype=torch.int32)[None]   # host rows: any, only the hit counts are read
         misses = {k: np.zeros(len(SIZES)) for k in PERIODS}
         worst = {k: np.ones(len(SIZES)) for k in PERIODS}
         attended = 0
         for t in range(steps):
             qt = q[:, P + t].view(H, G, d)
             sel = select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce, cfg.radius_weight)
-            chunks = [sel[h].nonzero().flatten().tolist() for h in range(H)]
-            need = sum(int(lens[c].sum()) for c in chunks)
+            chunks = [sel[h].nonzero().flatten().cpu() for h in range(H)]
+            ids = torch.full((H, most), -1, dtype=torch.int64)
+            for h, c in enumerate(chunks):
+                ids[h, :len(c)] = c
+            need = int(sum(lens[c.numpy()].sum() for c in chunks))
             attended += need * (t > 0)
+            cs = torch.as_tensor(starts)[ids.clamp(min=0)] * (ids >= 0)
+            cl = torch.as_tensor(lens)[ids.clamp(min=0)] * (ids >= 0)
             for k in PERIODS:
                 if t % k:
                     continue
-                for s, lru in enumerate(buffers[k]):
-                    hit = sum(lru[h].step(chunks[h], lens, t) for h in range(H))
+                for s, hot in enumerate(buffers[k]):
+                    plan = hot.plan(0, torch.zeros(H, dtype=torch.int64), torch.arange(H), ids, cs, cl, positions, t,
+                                    cap=H * most * W)
                     if t:
-                        misses[k][s] += need - hit
-                        worst[k][s] = min(worst[k][s], hit / max(need, 1))
+                        misses[k][s] += int(plan.miss_rows)
+                        worst[k][s] = min(worst[k][s], int(plan.hit_rows) / max(need, 1))
         per_layer[layer] = {f"every_{k}": {"hit_rate": {str(m): float(1 - misses[k][s] / max(attended, 1))
                                                         for s, m in enumerate(SIZES)},
                                            "worst_step": {str(m): float(worst[k][s]) for s, m in enumerate(SIZES)}}
