@@ -68,29 +68,28 @@ class HotChunks:
         eq = (sel[:, :, None] == resident[:, None, :]) & valid[:, :, None]   # [n, K, S]
         hit = eq.any(-1)
         hit_slot = eq.to(torch.int8).argmax(-1)
-        step_t = torch.as_tensor(step, dtype=torch.int64, device=dev)
-        # hits are stamped first, so they sort last and are never the victims of this step's misses
-        used_x = torch.cat([used, used.new_zeros(n, 1)], 1)
-        used_x.scatter_(1, torch.where(hit, hit_slot, S), step_t.expand(n, K))
-        used = used_x[:, :S]
         miss = valid & ~hit
-        order = used.argsort(dim=1, stable=True)                               # least recently used first
-        rank = (miss.cumsum(1) - 1).clamp(min=0)
-        victim = order.gather(1, rank)
+        # least recently used first, the slots this step hits last: a miss never evicts a chunk the step reads
+        last = torch.iinfo(torch.int64).max
+        order = torch.where(eq.any(1), last, used).argsort(dim=1, stable=True)
+        victim = order.gather(1, (miss.cumsum(1) - 1).clamp(min=0))
         slot = torch.where(hit, hit_slot, victim)
-        tgt = torch.where(miss, victim, S)
-        res_x = torch.cat([resident, resident.new_zeros(n, 1)], 1)
-        res_x.scatter_(1, tgt, sel.to(torch.int32))
-        used_x = torch.cat([used, used.new_zeros(n, 1)], 1)
-        used_x.scatter_(1, tgt, step_t.expand(n, K))
-        self.chunk[rows64, layer, heads64] = res_x[:, :S]
-        self.used[rows64, layer, heads64] = used_x[:, :S]
+        step_t = torch.as_tensor(step, dtype=torch.int64, device=dev).expand(n, K)
+        self.used[rows64, layer, heads64] = _put(used, torch.where(valid, slot, S), step_t)
+        self.chunk[rows64, layer, heads64] = _put(resident, torch.where(miss, victim, S), sel.to(torch.int32))
 
         first = torch.where(valid, self.base[rows64][:, None] + slot * W, -1)
         runs, count, needed = _runs(miss, first, heads64, rows64, starts, lens, req_to_token, W, cap)
         rows_of = torch.where(valid, lens, 0).to(torch.int64)
         return Plan(first.to(torch.int32), runs, count, needed, (rows_of * hit).sum().view(1),
                     (rows_of * miss).sum().view(1))
+
+
+def _put(t: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``t[i, idx[i, k]] = val[i, k]``, where an index of ``t.shape[1]`` writes nothing."""
+    x = torch.cat([t, t.new_zeros(t.shape[0], 1)], 1)
+    x.scatter_(1, idx, val)
+    return x[:, :-1]
 
 
 def _runs(miss, first, heads, rows, starts, lens, req_to_token, W: int, cap: int):
@@ -100,8 +99,7 @@ def _runs(miss, first, heads, rows, starts, lens, req_to_token, W: int, cap: int
     inside = miss[:, :, None] & (i < lens[:, :, None])                       # [n, K, W]
     pos = (starts[:, :, None].to(torch.int64) + i).clamp(max=req_to_token.shape[1] - 1)
     host = req_to_token[rows[:, None, None], pos].to(torch.int64)            # the positions' KV slots
-    prev = torch.cat([host[:, :, :1] - 2, host[:, :, :-1]], 2)
-    begins = inside & ((i == 0) | (host != prev + 1))
+    begins = inside & ((i == 0) | (host != host.roll(1, 2) + 1))
     # a run ends before the next begin of its chunk or at the chunk's end
     nxt = torch.where(begins, i, W).flip(2).cummin(2).values.flip(2)         # first begin at or after i
     nxt = torch.cat([nxt[:, :, 1:], torch.full_like(nxt[:, :, :1], W)], 2)  # ... strictly after i
