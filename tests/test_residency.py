@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from helpers import sync_check
 from sgl_sparsekv.kernels.host_copy import copy_runs, copy_runs_ref
 from sgl_sparsekv.residency import HotChunks
 
@@ -136,3 +137,21 @@ def test_cleared_row_loads_again():
 def test_plan_and_copy_on_the_gpu(scattered):
     """The same steps on the device, the runs copied by the kernel from a pinned host pool."""
     test_plan_equals_lru_and_loads_every_selected_chunk(3, scattered, device="cuda")
+
+
+@pytest.mark.gpu
+def test_plan_never_waits_for_the_gpu():
+    """Planning and loading a step on the device asks the GPU nothing back (a captured decode step holds both)."""
+    dev = "cuda"
+    r2t = torch.arange(1, 65, dtype=torch.int32, device=dev)[None]
+    hot = HotChunks(1, 1, H, 4, W, torch.tensor([0], device=dev))
+    host_k = torch.randn(H, 65, D).pin_memory()
+    dev_k = torch.zeros(4 * W, H, D, device=dev)
+    sel = torch.tensor([[0, 3], [2, -1]], device=dev)   # chunks of W positions each
+    args = (torch.zeros(2, dtype=torch.int64, device=dev), torch.arange(2, device=dev), sel, sel.clamp(min=0) * W,
+            torch.full((2, 2), W, device=dev), r2t)
+    with sync_check():
+        for step in range(3):
+            plan = hot.plan(0, *args, torch.tensor(step, device=dev), cap=2 * 2 * W)
+            copy_runs(host_k, host_k, dev_k.transpose(0, 1), dev_k.transpose(0, 1), plan.runs, plan.count)
+    assert int(plan.miss_rows) == 0 and int(plan.hit_rows) == 3 * W
