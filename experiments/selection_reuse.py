@@ -13,8 +13,8 @@ unit keys as the server pools them, the default config), and each output positio
 ``sgl_sparsekv.select`` as a decode step would (the sink and the recent window are on the device anyway and are left
 out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in device rows keeps the chunks used
 most recently, by the tier's own policy (``sgl_sparsekv.residency.HotChunks``: slots of ``chunk_max`` rows, one chunk
-each, at least as many as one selection can name); its hit rate is the share of the tokens attended over the steps after the first that it did not have to
-load. With ``select_every`` k a request selects at every k-th step and attends to those lists in between, so only
+each, at least as many as one selection can name); its hit rate is the share of the tokens attended over the steps
+after the first that it did not have to load. With ``select_every`` k a request selects at every k-th step and attends to those lists in between, so only
 every k-th step loads (k = 1, 4, 8). Reported per period and buffer size: the mean over samples and sparse layers
 (heads pooled), per layer, and each layer's worst selecting step.
 """
@@ -36,7 +36,7 @@ from sgl_sparsekv.residency import HotChunks
 from sgl_sparsekv.select import select_chunks
 
 SIZES = (2.0, 3.0, 4.0)   # device rows of a (request, layer, KV head)'s buffer, in retrieved budgets
-PERIODS = (1, 4, 8)                 # select_every: steps between two selections
+PERIODS = (1, 4, 8)        # select_every: steps between two selections
 
 
 def capture(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

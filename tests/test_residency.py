@@ -76,7 +76,6 @@ def test_plan_equals_lru_and_loads_every_selected_chunk(seed, scattered, device=
         assert int(plan.needed) == int(plan.count)
         copy = copy_runs if device == "cuda" else copy_runs_ref
         copy(host_k, host_v, dev_k[layer].transpose(0, 1), dev_v[layer].transpose(0, 1), plan.runs, plan.count)
-        want_hit = want_miss = 0
         for i, (r, h) in enumerate(pairs):
             chosen = sel[i].tolist()
             ref = lru_reference(table, (r, layer, h), chosen, step, slots)
