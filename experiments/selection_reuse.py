@@ -14,8 +14,9 @@ unit keys as the server pools them, the default config), and each output positio
 out). Per sparse layer and KV head, a buffer of ``m`` x the retrieved budget in device rows keeps the chunks used
 most recently, by the tier's own policy (``sgl_sparsekv.residency.HotChunks``: slots of ``chunk_max`` rows, one chunk
 each, at least as many as one selection can name); its hit rate is the share of the tokens attended over the steps
-after the first that it did not have to load. With ``select_every`` k a request selects at every k-th step and attends to those lists in between, so only
-every k-th step loads (k = 1, 4, 8). Reported per period and buffer size: the mean over samples and sparse layers
+after the first that it did not have to load. With ``select_every`` k a request selects at every k-th step and
+attends to those lists in between, so only every k-th step loads (k = 1, 4, 8). Reported per period and buffer size:
+the mean over samples and sparse layers
 (heads pooled), per layer, and each layer's worst selecting step.
 """
 
@@ -136,7 +137,8 @@ def main():
     dtype = torch.float32 if a.device == "cpu" else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=dtype).to(a.device).eval()
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
-    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, BoundaryTable.from_tokenizer(tok, model.config.vocab_size))
+    table = BoundaryTable.from_tokenizer(tok, model.config.vocab_size)
+    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
     res = {"model": a.model_dir, "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
            "length": a.length, "budget": a.budget, "steps": a.steps, "sizes": SIZES, "periods": PERIODS, "samples": []}
     for task in a.tasks:
