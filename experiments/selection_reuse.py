@@ -16,8 +16,7 @@ most recently, by the tier's own policy (``sgl_sparsekv.residency.HotChunks``: s
 each, at least as many as one selection can name); its hit rate is the share of the tokens attended over the steps
 after the first that it did not have to load. With ``select_every`` k a request selects at every k-th step and
 attends to those lists in between, so only every k-th step loads (k = 1, 4, 8). Reported per period and buffer size:
-the mean over samples and sparse layers
-(heads pooled), per layer, and each layer's worst selecting step.
+the mean over samples and sparse layers (heads pooled), per layer, and each layer's worst selecting step.
 """
 
 from __future__ import annotations
