@@ -6,7 +6,7 @@
     python3 -m bench.stress --model /tmp/tiny --size small --page-size 16 --out /tmp/stress.json  # paged KV
     python3 -m bench.stress --model /tmp/tiny --size small --kv-cache-dtype fp8_e4m3 --out /tmp/stress.json  # fp8 KV
     python3 -m bench.stress --model /tmp/tiny --size small --recall-audit-every 4 --out /tmp/stress.json  # the audit
-    python3 -m bench.stress --model models/smollm2 --size cpu --out /tmp/stress.json  # the CPU engine (CI's test)
+    python3 -m bench.stress --model models/smollm2 --size cpu --host-tier 256 --out /tmp/stress.json  # CI's test
 
 One lychee server (on the GPU with CUDA graphs captured up to a batch of 8, so larger batches run eagerly; a KV pool
 small enough that the radix cache evicts and SGLang retracts requests) gets, from many client threads: prompts of
@@ -131,6 +131,9 @@ def idle_checks(ranks: list[dict], flushed: list[dict]) -> dict:
         "unit_refs_accounted": all(st["unit_refs_unaccounted"] == 0 for st in ranks),
         "empty_after_flush": all(st["live_units"] == 0 and st["cached_indexes"] == 0
                                  and st["unit_refs_unaccounted"] == 0 for st in flushed),
+        # the host tier's rows and window slots are SGLang's KV slots: none is held once the cache is flushed
+        "host_tier_empty_after_flush": all(st.get("host_rows_used", 0) == 0 and st.get("window_slots_used", 0) == 0
+                                           for st in flushed),
         # chunk cuts depend on token ids only: every TP rank cuts, builds and grafts the same units
         "ranks_agree": len({(st["units_built"], st["index_builds"], st["grafts"]) for st in ranks}) == 1,
     }
@@ -172,6 +175,9 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", help="SGLang's flag, for both servers (fp8_e4m3: fp8 KV)")
     ap.add_argument("--recall-audit-every", type=int, default=0,
                     help="the lychee server's recall_audit_every (its audited steps run outside CUDA graphs)")
+    ap.add_argument("--host-tier", type=int, default=0, metavar="WINDOW",
+                    help="the lychee server with the host KV tier (the CPU engine), keeping the last WINDOW tokens of "
+                         "each request on the device, in a window pool of half the KV pool's tokens")
     a = ap.parse_args()
     import torch
 
@@ -184,7 +190,11 @@ def main():
            "budget": z["budget"]}
     cfg = {"token_budget": z["budget"], **({"recall_audit_every": a.recall_audit_every}
                                            if a.recall_audit_every else {})}
-    with Server(a.model, "lychee", cfg, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.lychee.log",
+    tier = []
+    if a.host_tier:
+        cfg.update(host_tier=True, host_window=a.host_tier)
+        tier = ["--swa-full-tokens-ratio", "0.5"]
+    with Server(a.model, "lychee", cfg, extra=res["server_args"] + tier, cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         greedy_before = greedy_short(srv, a.seed, z["budget"])
         res["shared_prefix_pair"] = shared_prefix_pair(srv, a.seed, z["lengths"][-2])

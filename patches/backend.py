@@ -160,6 +160,14 @@ class SparseKVAttnBackend(AttentionBackend):
         self.token_to_kv_pool = runner.token_to_kv_pool
         pool = self.token_to_kv_pool
         surface.check_instance(pool, surface.KV_POOL_ATTRS, "KV pool")
+        self.host = None
+        if cfg.host_tier:   # before anything reads a sparse layer's buffers: from here on they are the host pool's
+            import psutil
+
+            from sgl_sparsekv.patches import host_tier
+
+            self.host = host_tier.install(pool, cfg, runner.model_config.num_hidden_layers,
+                                          psutil.virtual_memory().available)
         start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")
@@ -176,6 +184,8 @@ class SparseKVAttnBackend(AttentionBackend):
             # chunk keys in bf16 on GPU, as the model; fp32 on CPU, where the twins run
             key_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16, kv_dtype=k0.dtype)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+        if self.host is not None:
+            self.manager.tier_gauges = host_tier.gauges(self.host, runner.token_to_kv_pool_allocator)
         self.decode_sparse = False
         self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
         self._big = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
+from sgl_sparsekv.host_tier import layer_pattern
 from sgl_sparsekv.tensor_parallel import KVShard
 
 SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -17,7 +18,8 @@ _HYBRID_ARCH_MARKS = ("mamba", "jamba", "nemotronh", "qwen3next", "falconh1", "g
                       "kimilinear", "minimax", "rwkv", "zamba", "plamo2")
 
 
-def check_server_args(sa, cfg: SparseKVConfig) -> None:
+def check_server_args(sa, cfg: SparseKVConfig) -> int | None:
+    """Returns the model's layer count (None where its config is unreadable: SGLang then reports it)."""
     def bad(flag, why):
         raise ConfigError(f"--sparse-kv {cfg.method}: {flag} {why}")
 
@@ -52,7 +54,14 @@ def check_server_args(sa, cfg: SparseKVConfig) -> None:
     if sa.device != "cpu" and prefill_graphs:
         bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
             "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
-    check_model(_hf_config(sa), cfg, tp_size=sa.tp_size or 1)
+    if cfg.host_tier and sa.device != "cpu":
+        bad("host_tier", "runs on the CPU engine only for now (--device cpu): its GPU path, buffers of hot chunks "
+                         "loaded from pinned host memory, is not built yet (docs/HOST_TIER.md)")
+    hf = _hf_config(sa)
+    check_model(hf, cfg, tp_size=sa.tp_size or 1)
+    if hf is None:
+        return None
+    return getattr(getattr(hf, "text_config", None) or hf, "num_hidden_layers", None)
 
 
 def _hf_config(sa):
@@ -81,6 +90,11 @@ def check_model(hf, cfg: SparseKVConfig, tp_size: int = 1) -> None:
     if any(m in archs for m in _HYBRID_ARCH_MARKS) or getattr(text, "layers_block_type", None) \
             or getattr(text, "hybrid_override_pattern", None):
         bad("hybrid Mamba / linear-attention layers")
+    layers = getattr(text, "num_hidden_layers", None)
+    if getattr(text, "is_hybrid_swa", False) and not (
+            cfg.host_tier and layers is not None
+            and getattr(text, "hybrid_layer_pattern", None) == layer_pattern(cfg.dense_layers, layers)):
+        bad("hybrid sliding-window layers")   # the model's own, not the host tier's (patches/host_tier.py)
     layer_types = getattr(text, "layer_types", None) or []
     if any("sliding" in str(t) for t in layer_types) or (
             getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
@@ -88,7 +102,6 @@ def check_model(hf, cfg: SparseKVConfig, tp_size: int = 1) -> None:
         bad("sliding-window attention")
     if getattr(hf, "is_encoder_decoder", False):
         bad("encoder-decoder")
-    layers = getattr(text, "num_hidden_layers", None)
     if layers is not None and cfg.dense_layers >= layers:
         raise ConfigError(f"sparse-kv config: dense_layers ({cfg.dense_layers}) must be < the model's "
                           f"{layers} layers, or no layer is sparse")

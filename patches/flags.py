@@ -37,7 +37,11 @@ def attach(server_args, method: str, overrides) -> None:
     cfg = SparseKVConfig.from_method(method, overrides)
     if cfg.enabled:
         check_sglang()
-        check_server_args(server_args, cfg)
+        layers = check_server_args(server_args, cfg)
+        if cfg.host_tier:
+            from sgl_sparsekv.patches.host_tier import add_model_overrides
+
+            add_model_overrides(server_args, cfg, layers)
     server_args.sparse_kv = cfg.method
     server_args.sparse_kv_config = cfg.to_dict()
     ACTIVE = cfg

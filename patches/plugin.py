@@ -53,6 +53,17 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
     return cell_size + extra
 
 
+def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
+    """The hybrid pools' configurator (the host tier) computes its per-token bytes in ``__init__``: the index pools
+    are charged per full KV slot there."""
+    if not flags.config_of(runner.server_args).enabled:
+        return result
+    surface.check_instance(configurator, surface.SWA_CONFIGURATOR_ATTRS, "HybridSWAPoolConfigurator")
+    configurator._cell_size = charge_index_memory(configurator._cell_size, configurator, runner,
+                                                  runner.model_config.num_hidden_layers)
+    return result
+
+
 def reserve_index_cache(original, configurator, available_bytes, *args, **kwargs):
     """SGLang sizes the KV pool from the bytes left after the weights: set the index cache aside first."""
     reserved = getattr(configurator, "sparse_kv_reserved_bytes", 0)
@@ -162,6 +173,8 @@ _HOOKS = {
     "wrap_attention_backend": (wrap_attention_backend, HookType.AROUND),
     "charge_index_memory": (charge_index_memory, HookType.AFTER),
     "reserve_index_cache": (reserve_index_cache, HookType.AROUND),
+    "charge_index_memory_swa": (charge_index_memory_swa, HookType.AFTER),
+    "reserve_index_cache_swa": (reserve_index_cache, HookType.AROUND),
     "note_batch_requests": (note_batch_requests, HookType.AFTER),
     "eager_first_steps": (eager_first_steps, HookType.AFTER),
     "add_stats_to_internal_state": (add_stats_to_internal_state, HookType.AFTER),

@@ -31,6 +31,11 @@ HOOK_TARGETS = {
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
     "reserve_index_cache":
         "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
+    # the same two for the hybrid sliding-window pools the host tier runs on (patches/host_tier.py)
+    "charge_index_memory_swa":
+        "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.__init__",
+    "reserve_index_cache_swa":
+        "sglang.srt.model_executor.pool_configurator.HybridSWAPoolConfigurator.calculate_pool_sizes",
     "note_batch_requests": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
     "eager_first_steps": "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
                          ".can_run_graph",
@@ -45,6 +50,8 @@ HOOK_TARGETS = {
 IMPORTS = (
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
     "sglang.srt.mem_cache.memory_pool.KVWriteLoc",
+    "sglang.srt.mem_cache.memory_pool.unwrap_write_loc",
+    "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool",
     "sglang.srt.layers.dp_attention.get_attention_tp_size",
     "sglang.srt.utils.hf_transformers.tokenizer.get_tokenizer",
 )
@@ -90,6 +97,10 @@ RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "tp_rank", "
                 "req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator",
                 "model")   # select_ahead wraps model.forward (patches/backend.py, join_after_forward)
 KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer", "start_layer")
+# the host tier: the hybrid pool's layer map, its two pools and their buffers (patches/host_tier.py)
+SWA_CONFIGURATOR_ATTRS = ("_cell_size",)   # its per-token bytes, which the index pools are charged to
+SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
+SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
 ALLOCATOR_PATCHED = ("free", "clear")
 SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args", "ps", "tp_cpu_group")

@@ -87,6 +87,12 @@ class SparseKVConfig:
     # budget, the share of dense attention's mass the step's selection kept (sgl_sparsekv/recall_audit.py); that
     # step runs outside CUDA graphs.
     recall_audit_every: int = 0
+    # The host KV tier (sgl_sparsekv/host_tier.py, docs/HOST_TIER.md): the sparse layers' KV of every token lives
+    # in a host pool, and the device keeps, per request, the last ``host_window`` tokens of those layers (SGLang's
+    # hybrid sliding-window pools: ``--swa-full-tokens-ratio`` sizes that device pool against the full one).
+    # The CPU engine only, for now.
+    host_tier: bool = False
+    host_window: int = 1024
     # --- quest ---
     page_size: int = 16
 
@@ -180,6 +186,14 @@ class SparseKVConfig:
             if self.token_budget < need:
                 raise ConfigError(f"sparse-kv config: token_budget ({self.token_budget}) must be >= sink_tokens + "
                                   f"recent_window + one chunk/page = {need}")
+        if self.host_tier:
+            # SGLang's hybrid pools need a full layer; the window holds the tokens not yet indexed
+            if self.dense_layers < 1:
+                raise ConfigError("sparse-kv config: host_tier needs dense_layers >= 1 (the dense layers hold every "
+                                  "token's KV on the device)")
+            if self.host_window < self.recent_window + self.unit_max:
+                raise ConfigError(f"sparse-kv config: host_window ({self.host_window}) must be >= recent_window + "
+                                  f"one chunk/page = {self.recent_window + self.unit_max}")
 
     # ---------------------------------------------------------------- building
     @classmethod

@@ -216,6 +216,7 @@ class SparseKVManager:
                                 box=cfg.fine_bound == "box")
         self.audit = (RecallAudit(cfg.recall_audit_every, sparse_layers, cfg.dense_layers)
                       if cfg.recall_audit_every else None)
+        self.tier_gauges = None   # the host tier's gauges from SGLang's allocator (patches/host_tier.py)
         if self.use_kernels:
             precompile_graft(self.pools, self.key_dtype)
             self._precompile_build()
@@ -641,4 +642,6 @@ class SparseKVManager:
         out["unplaced_requests"] = sum(s.pool is None and s.unplaced_gen is not None for s in self.states.values())
         if self.audit is not None:
             out["recall_audit"] = self.audit.snapshot()
+        if self.tier_gauges is not None:
+            out.update(self.tier_gauges())
         return out

@@ -81,6 +81,11 @@ GAUGES = {
     "unplaced_requests": "Requests decoding densely until their index gets pool rows.",
     "index_pool_compactions": "Times a pool level's segments were moved together because its free rows, enough for "
                               "an index, lay apart.",
+    # the host tier (config host_tier), from SGLang's allocator
+    "host_kv_bytes": "Bytes of the host pool holding the sparse layers' KV (host_tier).",
+    "host_rows_used": "Tokens whose sparse-layer KV the host pool holds (SGLang's full KV slots in use; host_tier).",
+    "window_slots": "Device KV slots of the sparse layers, each request's recent window (host_tier).",
+    "window_slots_used": "Of those, in use (host_tier).",
 }
 # what Prometheus exports, by snapshot key: its help text
 EXPORTED = {**{f.name: f.metadata["doc"] for f in Counters.__dataclass_fields__.values() if f.metadata["export"]},

@@ -65,6 +65,9 @@ def test_shipped_configs_load():
     ("lychee", {"select_ahead": True, "select_every": 2}, "select_ahead needs select_every 1"),
     ("lychee", {"select_ahead": True, "rerank_factor": 2}, "select_ahead needs select_every 1"),
     ("quest", {"select_ahead": True}, "key 'select_ahead' applies to --sparse-kv lychee, not quest"),
+    ("lychee", {"host_tier": 1}, "key 'host_tier' must be bool, got int 1"),
+    ("lychee", {"host_tier": True, "dense_layers": 0}, "host_tier needs dense_layers >= 1"),
+    ("quest", {"host_tier": True, "host_window": 64}, "host_window (64) must be >= recent_window + one chunk/page = 80"),
     ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
     ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),
     ("quest", {"method": "lychee"}, "key 'method' is 'lychee' but --sparse-kv is 'quest'"),
@@ -158,6 +161,22 @@ def test_unsupported_models(hf, needle):
     assert needle in str(e.value)
 
 
+def test_host_tier_checks():
+    """The tier refuses a GPU (its device path is not built), and a model whose own config is hybrid
+    sliding-window; the hybrid layers the tier declares itself (patches/host_tier.py) pass the model check."""
+    tier = SparseKVConfig.from_method("lychee", {"host_tier": True})
+    with pytest.raises(ConfigError, match="host_tier runs on the CPU engine only"):
+        check_server_args(_sa(device="cuda"), tier)
+    check_server_args(_sa(), tier)
+    ours = dict(architectures=["LlamaForCausalLM"], num_hidden_layers=5, is_hybrid_swa=True,
+                hybrid_layer_pattern=[0, 0, 1, 1, 1], sliding_window_size=1024)
+    check_model(SimpleNamespace(**ours), tier)
+    for cfg, hf in ((SparseKVConfig.from_method("lychee"), ours),   # the same keys without the tier: the model's own
+                    (tier, dict(ours, hybrid_layer_pattern=[0, 1, 0, 1, 1]))):
+        with pytest.raises(ConfigError, match="hybrid sliding-window layers"):
+            check_model(SimpleNamespace(**hf), cfg)
+
+
 def test_supported_models_pass():
     cfg = SparseKVConfig.from_method("lychee")
     check_model(SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=32), cfg)
@@ -230,6 +249,15 @@ def test_engine_kwargs(smollm2_dir):
     with pytest.raises(ConfigError, match="unknown key 'budget'"):
         ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="quest", sparse_kv_config={"budget": 512})
     assert ServerArgs(model_path=smollm2_dir, device="cpu").sparse_kv == "off"
+    # the host tier declares the sparse layers windowed through the model overrides every process reads, beside
+    # the user's own keys; a key of its own given by the user is refused
+    sa = ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="lychee", json_model_override_args='{"x": 1}',
+                    sparse_kv_config={"host_tier": True, "host_window": 512})
+    assert json.loads(sa.json_model_override_args) == {
+        "x": 1, "is_hybrid_swa": True, "sliding_window_size": 512, "hybrid_layer_pattern": [0, 0] + [1] * 28}
+    with pytest.raises(ConfigError, match="host_tier sets --json-model-override-args key.s. sliding_window_size"):
+        ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="lychee", sparse_kv_config={"host_tier": True},
+                   json_model_override_args='{"sliding_window_size": 4096}')
 
 
 @pytest.mark.parametrize("device,flashinfer,expected", [

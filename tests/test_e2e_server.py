@@ -74,11 +74,17 @@ def run_suite(srv, tok):
     return out
 
 
-# quest: with the live recall audit measuring every second decode step past the budget. The options (hybrid heads,
-# the two-stage selection, select_ahead, fine_bound box) change what a step selects, not how the server runs it: the
-# one lifecycle runs them against its spec in tests/test_pooled_decode.py, on the GPU in CUDA graphs too, and a CPU
-# server of its own costs CI about two minutes each
-SPARSE = {"lychee": ("lychee", {}), "quest": ("quest", {"recall_audit_every": 2})}
+# lychee: with the host KV tier (sgl_sparsekv/host_tier.py), its sparse layers keeping 256 tokens a request on the
+# device in a window pool of 3,276 slots (--swa-full-tokens-ratio 0.05 of 65,536), fewer than the suite's prompts
+# hold together, so SGLang frees window slots as the suite goes; the plain pools serve lychee in the data-parallel
+# server (whose tokens the tier's must equal), the stress run and the GPU tests. quest: with the live recall audit
+# measuring every second decode step past the budget. The options (hybrid heads, the two-stage selection,
+# select_ahead, fine_bound box) change what a step selects, not how the server runs it: the one lifecycle runs them
+# against its spec in tests/test_pooled_decode.py, on the GPU in CUDA graphs too, and a CPU server of its own costs
+# CI about two minutes each
+TIER = {"host_tier": True, "host_window": 256}
+SPARSE = {"lychee": ("lychee", TIER), "quest": ("quest", {"recall_audit_every": 2})}
+EXTRA = {"lychee": ["--swa-full-tokens-ratio", "0.05"], "quest": []}
 
 
 def turns(request) -> list[str]:
@@ -88,10 +94,10 @@ def turns(request) -> list[str]:
     for item in request.session.items:
         if item.module is not request.module:
             continue
-        if "sparse" in item.fixturenames:
-            used = ["off", item.callspec.params["sparse"]]
-        else:
-            used = ["off"] if "reference" in item.fixturenames else ["dp"] if "dp_server" in item.fixturenames else []
+        names = item.fixturenames
+        used = ["dp"] if "dp_run" in names else []
+        used += ["off"] if "reference" in names or "sparse" in names else []
+        used += [item.callspec.params["sparse"]] if "sparse" in names else []
         keys += [k for k in used if k not in keys]
     return keys
 
@@ -102,7 +108,8 @@ def server(model_dir: str, key: str) -> Server:
     if key == "dp":
         return Server(model_dir, "lychee", BUDGET, extra=["--dp-size", "2", "--max-total-tokens", "32768"])
     method, cfg = SPARSE[key]
-    return Server(model_dir, method, {**BUDGET, **cfg}, extra=["--max-total-tokens", "65536", "--enable-metrics"])
+    return Server(model_dir, method, {**BUDGET, **cfg},
+                  extra=["--max-total-tokens", "65536", "--enable-metrics", *EXTRA[key]])
 
 
 @pytest.fixture(scope="module")
@@ -124,27 +131,34 @@ def reference(lineup, smollm2_tokenizer):
         return out
 
 
-@pytest.fixture
-def dp_server(lineup):
-    """First in turn: SGLang's data-parallel controller polls without sleeping, so it must not run beside the others."""
+def dp_prompt(tok) -> list[int]:
+    prompt, _ = passkey(tok, 1500, 0.5, seed=13)
+    return tok.encode("Data-parallel check. " + prompt)
+
+
+@pytest.fixture(scope="module")
+def dp_run(lineup, smollm2_tokenizer):
+    """Three requests of one prompt through the data-parallel server (plain lychee in each replica), and each
+    replica's counters before and after. First in turn: SGLang's data-parallel controller polls without sleeping,
+    so it must not run beside the others."""
     with lineup.take("dp") as srv:
-        yield srv
+        def replicas():
+            return sorted((s["sparse_kv_stats"] for s in srv.internal_states()), key=lambda st: st["dp_rank"])
+
+        before = replicas()
+        outputs = [srv.generate_ids(dp_prompt(smollm2_tokenizer), DECODE_TOKENS, ignore_eos=True)["output_ids"]
+                   for _ in range(3)]   # round robin: replicas a, b, a
+        return {"before": before, "after": replicas(), "outputs": outputs}
 
 
-def test_data_parallel_replicas_keep_their_own_state(dp_server, smollm2_tokenizer):
+def test_data_parallel_replicas_keep_their_own_state(dp_run):
     """--dp-size 2: each replica runs its own sparse state behind SGLang's round-robin router, so a prompt is
-    indexed once per replica it reaches and its index is reused only where the radix cache holds its prefix."""
-    prompt, _ = passkey(smollm2_tokenizer, 1500, 0.5, seed=13)
-    ids = smollm2_tokenizer.encode("Data-parallel check. " + prompt)
-
-    def replicas():
-        return sorted((s["sparse_kv_stats"] for s in dp_server.internal_states()), key=lambda st: st["dp_rank"])
-
-    before = replicas()
+    indexed once per replica it reaches and its index is reused only where the radix cache holds its prefix; the
+    replicas, and the adopted index, decode the same tokens."""
+    before, after = dp_run["before"], dp_run["after"]
     assert [st["dp_rank"] for st in before] == [0, 1]
-    for _ in range(3):   # round robin: replicas a, b, a
-        assert dp_server.generate_ids(ids, 4, ignore_eos=True)["meta_info"]["completion_tokens"] == 4
-    after = replicas()
+    first, *others = dp_run["outputs"]
+    assert len(first) == DECODE_TOKENS and all(o == first for o in others)
     delta = [{k: a[k] - b[k] for k in ("index_builds", "index_reused", "sparse_steps")} for a, b in zip(after, before)]
     assert sorted(d["index_builds"] for d in delta) == [1, 1]   # each replica clustered the prompt once
     assert sorted(d["index_reused"] for d in delta) == [0, 1]   # the third request found it cached on its replica
@@ -200,6 +214,21 @@ def test_long_prompt_decodes_sparsely(sparse):
     assert attended < 0.15 * context
     assert after["scored_tokens"] == before["scored_tokens"]   # no two-stage selection
     assert after["index_builds"] + after["index_reused"] > before["index_builds"] + before["index_reused"]
+
+
+def test_host_tier_decodes_as_plain_pools(dp_run, sparse, smollm2_tokenizer):
+    """The lychee server runs with the host tier: past the budget its greedy tokens equal plain lychee's (the
+    data-parallel server's) on the same prompt, sent after the suite's traffic took the window pool's slots many
+    times over; the tier's gauges read from SGLang's allocator."""
+    method, srv, out = sparse
+    if out["key"] != "lychee":
+        pytest.skip("the host tier runs on the lychee server")
+    stats = srv.stats()
+    served = srv.generate_ids(dp_prompt(smollm2_tokenizer), DECODE_TOKENS, ignore_eos=True)
+    assert served["output_ids"] == dp_run["outputs"][0]
+    assert stats["window_slots"] < 2 * PASSKEY_LEN   # fewer than the suite's prompts need together
+    assert 0 < stats["window_slots_used"] <= stats["window_slots"] and stats["host_rows_used"] >= PASSKEY_LEN
+    assert stats["host_kv_bytes"] == 2 * 28 * (65536 + 1) * 3 * 64 * 4   # 28 sparse layers, 3 KV heads, fp32 KV
 
 
 def test_idle_state_without_further_requests(sparse):

@@ -1,0 +1,45 @@
+"""The host KV tier's pool (sgl_sparsekv/host_tier.py) against a brute-force store; the tier through SGLang's
+hybrid pools is served in tests/test_e2e_server.py and under load in tests/test_stress.py."""
+
+import pytest
+import torch
+
+from sgl_sparsekv.host_tier import HostKV, layer_pattern
+
+
+def test_rows_hold_the_last_write_of_each_slot():
+    """Writes of several layers at scattered slots, some written again (a freed slot reused): each row reads back
+    what a dict of (layer, slot) -> last write holds, and rows never written stay zero."""
+    g = torch.Generator().manual_seed(0)
+    layers, rows, heads, d = [2, 3, 4], 64, 3, 8
+    host = HostKV(layers, rows, heads, d, torch.float32, torch.float32)
+    spec = {}
+    for _ in range(20):
+        lid = layers[int(torch.randint(0, 3, (1,), generator=g))]
+        loc = torch.randperm(rows, generator=g)[:int(torch.randint(1, 9, (1,), generator=g))]
+        k, v = torch.randn(len(loc), heads, d, generator=g), torch.randn(len(loc), heads, d, generator=g)
+        host.write(lid, loc, k, v)
+        for i, slot in enumerate(loc.tolist()):
+            spec[lid, slot] = (k[i], v[i])
+    for lid in layers:
+        for slot in range(rows):
+            k, v = spec.get((lid, slot), (torch.zeros(heads, d), torch.zeros(heads, d)))
+            assert torch.equal(host.key_buffer(lid)[slot], k) and torch.equal(host.value_buffer(lid)[slot], v)
+    assert host.holds(3) and not host.holds(1)
+    assert host.nbytes == HostKV.bytes_for(3, rows, heads, d, 4) == 2 * 3 * rows * heads * d * 4
+
+
+def test_fp8_rows_stay_bytes_and_read_as_fp8():
+    """fp8 KV: SGLang stores it as bytes and its readers see fp8; the host rows keep the stored bytes exactly."""
+    host = HostKV([2], 8, 2, 4, torch.uint8, torch.float8_e4m3fn)
+    k = torch.randn(3, 2, 4).to(torch.float8_e4m3fn)
+    host.write(2, torch.tensor([5, 1, 7]), k.view(torch.uint8), k.view(torch.uint8))
+    keys = host.key_buffer(2)
+    assert keys.dtype == torch.float8_e4m3fn
+    assert torch.equal(keys[[5, 1, 7]].view(torch.uint8), k.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dense, layers", [(2, 30), (1, 2)])
+def test_layer_pattern_marks_the_sparse_layers_windowed(dense, layers):
+    pattern = layer_pattern(dense, layers)
+    assert len(pattern) == layers and pattern.index(1) == dense and sum(pattern) == layers - dense
