@@ -56,11 +56,16 @@ def charge_index_memory(cell_size, configurator, runner, num_layers, *args, **kw
 def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     """The hybrid pools' configurator (the host tier) computes its per-token bytes in ``__init__``: the index pools
     are charged per full KV slot there."""
-    if not flags.config_of(runner.server_args).enabled:
+    cfg = flags.config_of(runner.server_args)
+    if not cfg.enabled:
         return result
     surface.check_instance(configurator, surface.SWA_CONFIGURATOR_ATTRS, "HybridSWAPoolConfigurator")
     configurator._cell_size = charge_index_memory(configurator._cell_size, configurator, runner,
                                                   runner.model_config.num_hidden_layers)
+    if cfg.host_tier and str(runner.device) == "cpu":
+        # the CPU engine's KV pools live in host memory too: the host pool (every token of every windowed layer)
+        # is charged per full slot, as SGLang charges the windowed layers' device slots
+        configurator._cell_size += configurator._swa_per_token * configurator._swa_layers_num
     return result
 
 

@@ -194,14 +194,15 @@ load_plugins()
 from sglang.srt.server_args import prepare_server_args
 out = []
 for argv in json.loads(sys.argv[1]):
-    err = io.StringIO()
+    err, said = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(said):
             sa = prepare_server_args(argv)
         out.append({"parsed": f"PARSED {sa.sparse_kv} {sa.sparse_kv_config}"})
     except SystemExit as e:
         lines = err.getvalue().strip().splitlines()
-        out.append({"exit": e.code if isinstance(e.code, str) else lines[-1], "stderr": err.getvalue()})
+        out.append({"exit": e.code if isinstance(e.code, str) or not lines else lines[-1], "stderr": err.getvalue(),
+                    "stdout": said.getvalue()})
     except BaseException as e:
         out.append({"raised": repr(e)})
 print(json.dumps(out))
@@ -218,22 +219,18 @@ def test_cli_flags_parse_and_fail_fast(smollm2_dir):
          "(made for qwen2.5-coder-0.5b: 24 layers, 2 KV heads, 2 dense) does not fit this model (30 layers"),
     ]
     runs = [["--sparse-kv", "lychee", "--sparse-kv-config", '{"token_budget": 256}', "--kv-cache-dtype", "fp8_e4m3"],
-            []] + [e for e, _ in failing]
+            [], ["--help"]] + [e for e, _ in failing]
     p = subprocess.run([sys.executable, "-c", PARSE_MANY, json.dumps([base + r for r in runs])], capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    ok, off, *bads = json.loads(p.stdout.strip().splitlines()[-1])
+    ok, off, usage, *bads = json.loads(p.stdout.strip().splitlines()[-1])
     assert "PARSED lychee {" in ok["parsed"] and "'token_budget': 256" in ok["parsed"], ok
     assert off["parsed"].startswith("PARSED off {'method': 'off'"), off
+    # launch_server --help lists the two flags
+    assert "--sparse-kv {off,lychee,quest}" in usage["stdout"] and "--sparse-kv-config FILE_OR_JSON" in usage["stdout"]
     for bad, (_, needle) in zip(bads, failing):
         assert needle in bad.get("exit", ""), bad   # one line, the last a launch prints, and no traceback
         assert "Traceback" not in bad["stderr"]
-
-
-def test_help_lists_the_flags():
-    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
-                         timeout=300).stdout
-    assert "--sparse-kv {off,lychee,quest}" in out and "--sparse-kv-config FILE_OR_JSON" in out
 
 
 def test_engine_kwargs(smollm2_dir):
