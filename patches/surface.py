@@ -97,8 +97,9 @@ RUNNER_ATTRS = ("server_args", "model_config", "device", "tp_size", "tp_rank", "
                 "req_to_token_pool", "token_to_kv_pool", "token_to_kv_pool_allocator",
                 "model")   # select_ahead wraps model.forward (patches/backend.py, join_after_forward)
 KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer", "start_layer")
-# the host tier: the hybrid pool's layer map, its two pools and their buffers (patches/host_tier.py)
-# its per-token bytes, which the index pools (and, on the CPU engine, the host pool) are charged to
+# the host tier (patches/host_tier.py): the hybrid configurator's per-token bytes, which the index pools (and, on
+# the CPU engine, the host pool) are charged to; the allocator's two pool sizes (its gauges); the hybrid pool's layer
+# map, its two pools and their buffers
 SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num")
 SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
 SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
