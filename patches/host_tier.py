@@ -69,12 +69,11 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs {need / 2**30:.2f} GiB of host memory for the "
                           f"sparse layers' KV of {rows} tokens, {available_bytes / 2**30:.2f} GiB is available; "
                           "lower --max-total-tokens")
-    pin = str(k0.device).startswith("cuda")
     try:
-        host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype, pin=pin)
+        host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype)
     except RuntimeError as e:
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier could not allocate {need / 2**30:.2f} GiB of "
-                          f"{'pinned ' if pin else ''}host memory ({str(e).splitlines()[0]})") from None
+                          f"host memory ({str(e).splitlines()[0]})") from None
     set_kv, get_k, get_v = pool.set_kv_buffer, pool.get_key_buffer, pool.get_value_buffer
 
     def set_kv_buffer(layer, loc_info, cache_k, cache_v, *args, **kwargs):

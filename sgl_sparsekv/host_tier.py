@@ -8,8 +8,8 @@ exactly as SGLang's full slot is, so the tier needs no allocator or lifetime of 
 layer's SWA slot is copied to its row here (write-through), in the pool's stored dtype (fp8 KV stays fp8).
 
 On the CPU engine the sparse layers read their KV here by full slot, which is all the CPU has (host and device
-memory are one). On a GPU the rows are pinned and a step reads only the chunks it selected, through per-request
-buffers of hot chunks (``sgl_sparsekv/residency.py``); that path is not built yet.
+memory are one). On a GPU the rows will be pinned and a step will read only the chunks it selected, through
+per-request buffers of hot chunks (``sgl_sparsekv/residency.py``); that path is not built yet.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ def layer_pattern(dense_layers: int, num_layers: int) -> list[int]:
 
 class HostKV:
     def __init__(self, layer_ids: list[int], rows: int, heads: int, head_dim: int, store_dtype: torch.dtype,
-                 dtype: torch.dtype, pin: bool = False):
+                 dtype: torch.dtype):
         """``layer_ids``: the sparse layers (global ids); ``rows``: the full KV pool's slots, padding included;
         ``store_dtype``/``dtype``: how the device pool stores the KV and what its readers see (they differ for fp8,
         stored as bytes)."""
         self.layer_of = {lid: i for i, lid in enumerate(layer_ids)}
         self.dtype = dtype
         shape = (len(layer_ids), rows, heads, head_dim)
-        self.k = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)
+        self.k = torch.zeros(shape, dtype=store_dtype)
+        self.v = torch.zeros(shape, dtype=store_dtype)
 
     @staticmethod
     def bytes_for(layers: int, rows: int, heads: int, head_dim: int, itemsize: int) -> int:
@@ -41,10 +41,6 @@ class HostKV:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-    @property
-    def rows(self) -> int:
-        return self.k.shape[1]
 
     def holds(self, layer_id: int) -> bool:
         return layer_id in self.layer_of

@@ -146,7 +146,8 @@ def dp_run(lineup, smollm2_tokenizer):
             return sorted((s["sparse_kv_stats"] for s in srv.internal_states()), key=lambda st: st["dp_rank"])
 
         before = replicas()
-        outputs = [srv.generate_ids(dp_prompt(smollm2_tokenizer), DECODE_TOKENS, ignore_eos=True)["output_ids"]
+        ids = dp_prompt(smollm2_tokenizer)
+        outputs = [srv.generate_ids(ids, DECODE_TOKENS, ignore_eos=True)["output_ids"]
                    for _ in range(3)]   # round robin: replicas a, b, a
         return {"before": before, "after": replicas(), "outputs": outputs}
 
