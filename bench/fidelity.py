@@ -84,7 +84,6 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
 # methods served with server flags of their own
 SERVER_FLAGS = {f"{m}-fp8kv": ["--kv-cache-dtype", "fp8_e4m3"] for m in ("off", "lychee", "quest")}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
-CPU_SERVER = ["--max-total-tokens", "65536"]
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
               "--cuda-graph-max-bs", "32"]
 
@@ -198,14 +197,18 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
     drawn = make_all(model_dir, keys, workers=min(16, os.cpu_count() or 1) if len(keys) * max(lengths) > 2e6 else 1,
                      split=split)
     data = {t: {n: {s: drawn[t, n, s] for s in every} for n in lengths} for t in tasks}
+    # servers side by side (two on the CPU, a Lineup; --parallel on a GPU): each KV pool capped at what its samples
+    # in flight need. On the CPU two pools of 65,536 fp32 tokens took 6 GB each, and CI's 24 GB lost a server to
+    # the OOM killer
+    capped = ["--max-total-tokens", str(concurrency * (max(lengths) + 1024))]
     if gpu_backend:
         import torch
 
         device, server = torch.cuda.get_device_name(), GPU_SERVER + ["--attention-backend", gpu_backend]
-        if parallel > 1:   # servers side by side: each KV pool capped at what its samples in flight need
-            server = server + ["--max-total-tokens", str(concurrency * (max(lengths) + 1024))]
+        if parallel > 1:
+            server = server + capped
     else:
-        device, server = f"CPU ({platform.machine()})", CPU_SERVER
+        device, server = f"CPU ({platform.machine()})", capped
     server = server + ["--context-length", str(int(CONTEXT.get(model, 8192) * rope_scale))] + (
         ["--tp-size", str(tp_size)] if tp_size > 1 else [])
     res = {"model": model, **({"rope_scale": rope_scale} if rope_scale != 1 else {}), "split": split, "device": device,
