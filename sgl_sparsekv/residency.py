@@ -53,10 +53,12 @@ class HotChunks:
         self.used[row] = -1
 
     def plan(self, layer: int, rows: torch.Tensor, heads: torch.Tensor, sel: torch.Tensor, starts: torch.Tensor,
-             lens: torch.Tensor, req_to_token: torch.Tensor, step: int | torch.Tensor, cap: int) -> Plan:
+             lens: torch.Tensor, req_to_token: torch.Tensor, step: int | torch.Tensor, cap: int,
+             req_rows: torch.Tensor | None = None) -> Plan:
         """One sparse layer's step. Row i of the selection is request row ``rows[i]``'s KV head ``heads[i]`` (each
         pair at most once); ``sel[i, k]`` a chunk id (-1: padding), ``starts``/``lens`` its first position and
-        length (at most ``width``). At most ``slots`` chunks a row. ``step`` grows from call to call."""
+        length (at most ``width``). At most ``slots`` chunks a row. ``step`` grows from call to call. ``req_rows``:
+        where the buffers' owners are not the requests' rows in ``req_to_token`` (the decode's list rows), those."""
         n, K = sel.shape
         S, W = self.slots, self.width
         assert K <= S, (K, S)
@@ -79,7 +81,8 @@ class HotChunks:
         self.chunk[rows64, layer, heads64] = _put(resident, torch.where(miss, victim, S), sel.to(torch.int32))
 
         first = torch.where(valid, self.base[rows64][:, None] + slot * W, -1)
-        runs, count, needed = _runs(miss, first, heads64, rows64, starts, lens, req_to_token, W, cap)
+        kv_rows = rows64 if req_rows is None else req_rows.to(torch.int64)
+        runs, count, needed = _runs(miss, first, heads64, kv_rows, starts, lens, req_to_token, W, cap)
         rows_of = torch.where(valid, lens, 0).to(torch.int64)
         return Plan(first.to(torch.int32), runs, count, needed, (rows_of * hit).sum().view(1),
                     (rows_of * miss).sum().view(1))

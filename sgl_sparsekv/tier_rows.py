@@ -1,20 +1,22 @@
 """Token lists in device rows, for the host tier's decode (docs/HOST_TIER.md, "The GPU path").
 
-With the tier, a sparse layer's device KV holds each request's window (SGLang's window pool, reached through the
-allocator's full-to-window mapping) and its hot chunks (``residency.HotChunks``); every token's KV is in the host
-pool. A decode step's emission then works in two halves around ``HotChunks.plan``:
+With the tier, every token's KV of a sparse layer is in the host pool, and the sparse decode reads one device buffer
+per layer that holds, per owner (a request's list row, which it keeps while it decodes), its hot chunks
+(``residency.HotChunks``: ``slots`` slots of ``width`` rows) and a ring of ``ring`` rows with its last tokens, which
+every decode step's KV write also fills. A decode step's emission then works in two halves around
+``HotChunks.plan``:
 
-    hot_chunks(...)    -> ChunkTable: per list (request row x KV head), the chunks it reads outside the recent window,
+    hot_chunks(...)    -> ChunkTable: per list (owner x KV head), the chunks it reads outside the recent window,
                           the sink first (one more chunk, always selected, so it stays hot), as ``plan`` takes them:
                           ids, first positions and lengths of whole chunks (a resident chunk serves later steps whose
                           recent window has moved on), and the part of each that this step reads
     device_lists(...)  -> (lens, windows) as ``emit_tokens`` writes them, with device rows in place of KV slots: a
-                          chunk's tokens at its hot slot (``plan.first`` + offset), the recent window through the
-                          mapping
+                          chunk's tokens at its hot slot (``plan.first`` + offset), the recent window (and the tokens
+                          decoded since) at its ring rows
 
-so the attention kernel runs unchanged on the window pool's layer buffers, and reads the KV that plain emission's
-slots name in the host pool. A request within ``dense_limit`` tokens reads all of them through the mapping (the tier
-keeps a window at least that long). Torch reference: the twin a kernel will be tested against.
+so the attention kernel runs unchanged on that buffer, and reads the KV that plain emission's slots name in the host
+pool. A request within ``dense_limit`` tokens reads all of them from its ring (the ring is at least that long).
+Torch reference: the twin a kernel will be tested against.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ChunkTable(NamedTuple):
     lens: torch.Tensor     # [n, K] int32: its length (what a hot slot holds)
     read_from: torch.Tensor  # [n, K] int32: the positions this step reads, [read_from, read_to)
     read_to: torch.Tensor
-    tail: torch.Tensor     # [n] int32: positions from here to the sequence's end are read through the mapping
+    tail: torch.Tensor     # [n] int32: positions from here to the sequence's end are read from the ring
 
 
 def hot_chunks(sel: torch.Tensor, chunks: ChunkRows, ranges: torch.Tensor, seq_lens: torch.Tensor, sink: int,
@@ -78,19 +80,18 @@ def hot_chunks(sel: torch.Tensor, chunks: ChunkRows, ranges: torch.Tensor, seq_l
     return out
 
 
-def device_lists(table: ChunkTable, first: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                 req_to_token: torch.Tensor, to_window: torch.Tensor, H: int, cap: int, lists_at=None, heads=None,
-                 out=None):
+def device_lists(table: ChunkTable, first: torch.Tensor, seq_lens: torch.Tensor, ring_base: torch.Tensor, ring: int,
+                 H: int, cap: int, lists_at=None, heads=None, out=None):
     """-> (lens [n] int32, windows [n * cap] int32), ``emit_tokens``' layout: each written list's tokens as device
-    rows, chunk by chunk (``first`` [n, K]: ``plan.first``, each chunk's first hot row), then its tail through
-    ``to_window`` (the full-to-window mapping: KV slot -> window row). ``H``: KV heads."""
+    rows, chunk by chunk (``first`` [n, K]: ``plan.first``, each chunk's first hot row), then its tail: position p
+    of the owner o (the list row) at ``ring_base[o] + p % ring``. ``H``: KV heads."""
     bs, n = seq_lens.shape[0], table.ids.shape[0]
     if out is None:
         out = (torch.empty(n, dtype=torch.int32, device=first.device),
                torch.empty(n * cap, dtype=torch.int32, device=first.device))
     lens, windows = out
     list_rows, fresh = (t.tolist() for t in (every_row_fresh(bs, "cpu") if lists_at is None else lists_at))
-    for b, (row, S) in enumerate(zip(rows.tolist(), seq_lens.tolist())):
+    for b, S in enumerate(seq_lens.tolist()):
         if not fresh[b]:
             continue
         for h in (range(H) if heads is None else heads.tolist()):
@@ -101,7 +102,7 @@ def device_lists(table: ChunkTable, first: torch.Tensor, rows: torch.Tensor, seq
                     break
                 a, e, s0 = int(table.read_from[i, kk]), int(table.read_to[i, kk]), int(table.starts[i, kk])
                 parts.append(int(first[i, kk]) + torch.arange(a - s0, e - s0, device=first.device))
-            tail = to_window[req_to_token[row, int(table.tail[i]):S].long()]
+            tail = ring_base[list_rows[b]] + torch.arange(int(table.tail[i]), S, device=first.device) % ring
             lst = torch.cat([*parts, tail.to(first.device)]).to(torch.int32)[:cap]
             windows[i * cap:i * cap + len(lst)] = lst
             lens[i] = len(lst)
