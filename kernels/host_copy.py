@@ -59,8 +59,11 @@ def copy_runs(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst
 
 def copy_runs_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                   runs: torch.Tensor, count: torch.Tensor) -> None:
-    """The kernel's torch twin, run by run."""
-    for head, src, dst, n in runs[:int(count)].tolist():
-        assert 0 <= n <= RUN_MAX, n
-        dst_k[head, dst:dst + n] = src_k[head, src:src + n].to(dst_k.device)
-        dst_v[head, dst:dst + n] = src_v[head, src:src + n].to(dst_v.device)
+    """The kernel's torch twin: every run's rows in one gather."""
+    head, src, dst, n = runs[:int(count)].to(torch.int64).T
+    assert bool(((n >= 0) & (n <= RUN_MAX)).all()), n
+    run = torch.repeat_interleave(torch.arange(len(n), device=n.device), n)
+    i = torch.arange(run.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[run]   # the row within its run
+    h, s, d = head[run], src[run] + i, dst[run] + i
+    dst_k[h.to(dst_k.device), d.to(dst_k.device)] = src_k[h.to(src_k.device), s.to(src_k.device)].to(dst_k.device)
+    dst_v[h.to(dst_v.device), d.to(dst_v.device)] = src_v[h.to(src_v.device), s.to(src_v.device)].to(dst_v.device)

@@ -185,7 +185,9 @@ class SparseKVAttnBackend(AttentionBackend):
             key_dtype=torch.float32 if str(runner.device) == "cpu" else torch.bfloat16, kv_dtype=k0.dtype)
         watch_frees(self.manager, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
         if self.host is not None:
-            self.manager.tier_gauges = host_tier.gauges(self.host, runner.token_to_kv_pool_allocator)
+            surface.check_instance(runner.req_to_token_pool, surface.REQ_POOL_ATTRS, "ReqToTokenPool")
+            self.manager.max_requests = runner.req_to_token_pool.size
+            self.manager.tier_gauges = host_tier.gauges(self.host, runner.token_to_kv_pool_allocator, self._hot)
         self.decode_sparse = False
         self.q_heads = runner.model_config.num_attention_heads // max(1, runner.tp_size)
         self._big = None
@@ -204,6 +206,10 @@ class SparseKVAttnBackend(AttentionBackend):
         """Eager batches (prefill always; decode when CUDA graphs are off or the batch is too big)."""
         self.inner.init_forward_metadata(forward_batch)
         self._prepare(forward_batch, forward_batch.batch_size)
+
+    def _hot(self) -> list:
+        """The hot buffers of this backend's decoders (the host tier)."""
+        return [d.tier for d in (self.pooled, self._big) if d is not None and d.tier is not None]
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)

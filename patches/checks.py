@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sgl_sparsekv import head_roles
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
-from sgl_sparsekv.host_tier import layer_pattern
+from sgl_sparsekv.host_tier import MAX_RUNNING, layer_pattern
 from sgl_sparsekv.tensor_parallel import KVShard
 
 SUPPORTED_BACKENDS = ("torch_native", "triton", "flashinfer")
@@ -57,6 +57,9 @@ def check_server_args(sa, cfg: SparseKVConfig) -> int | None:
     if cfg.host_tier and sa.device != "cpu":
         bad("host_tier", "runs on the CPU engine only for now (--device cpu): its GPU path, buffers of hot chunks "
                          "loaded from pinned host memory, is not built yet (docs/HOST_TIER.md)")
+    if cfg.host_tier and not 0 < (sa.max_running_requests or 0) <= MAX_RUNNING:
+        bad("host_tier", f"needs --max-running-requests of at most {MAX_RUNNING}: each decoding request holds hot "
+                         "buffers of its own, allocated at startup")
     hf = _hf_config(sa)
     check_model(hf, cfg, tp_size=sa.tp_size or 1)
     if hf is None:

@@ -102,13 +102,17 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
     return host
 
 
-def gauges(host: HostKV, allocator):
-    """The tier's ``/server_info`` and Prometheus gauges (sgl_sparsekv/stats.py), read from SGLang's allocator."""
+def gauges(host: HostKV, allocator, hot):
+    """The tier's ``/server_info`` and Prometheus gauges (sgl_sparsekv/stats.py), read from SGLang's allocator and
+    from the decoders' hot buffers (``hot()``: their ``tier_rows.HotBuffers``)."""
     surface.check_instance(allocator, surface.SWA_ALLOCATOR_ATTRS, "SWATokenToKVPoolAllocator")
 
     def read() -> dict:
+        buffers = hot()
+        hit, loaded = (sum(int(b.rows_hit_loaded[i]) for b in buffers) for i in (0, 1))
         return {"host_kv_bytes": host.nbytes, "host_rows_used": allocator.size_full - allocator.full_available_size(),
                 "window_slots": allocator.size_swa,
-                "window_slots_used": allocator.size_swa - allocator.swa_available_size()}
+                "window_slots_used": allocator.size_swa - allocator.swa_available_size(),
+                "hot_buffer_bytes": sum(b.nbytes for b in buffers), "hot_rows_hit": hit, "hot_rows_loaded": loaded}
 
     return read

@@ -74,7 +74,7 @@ SERVER_ARGS_FIELDS = ("speculative_algorithm", "enable_mixed_chunk", "enable_two
                       "attention_backend", "prefill_attention_backend", "decode_attention_backend",
                       "kv_cache_dtype", "is_embedding", "cuda_graph_config", "device", "tp_size", "model_path",
                       "trust_remote_code", "revision", "tokenizer_path", "tokenizer_mode", "served_model_name",
-                      "enable_metrics")
+                      "enable_metrics", "max_running_requests")
 # ServerArgs.cuda_graph_config: a phase's graphs are off where its backend is "disabled"
 GRAPH_CONFIG = "sglang.srt.model_executor.cuda_graph_config.CudaGraphConfig"
 GRAPH_CONFIG_FIELDS = ("decode", "prefill")
@@ -104,6 +104,7 @@ SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num")
 SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
 SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
+REQ_POOL_ATTRS = ("size",)   # the host tier: one set of hot buffers per request SGLang can run
 ALLOCATOR_PATCHED = ("free", "clear")
 SCHEDULER_ATTRS = ("tp_worker", "is_fully_idle", "server_args", "ps", "tp_cpu_group")
 

@@ -191,6 +191,12 @@ class SparseKVConfig:
             if self.dense_layers < 1:
                 raise ConfigError("sparse-kv config: host_tier needs dense_layers >= 1 (the dense layers hold every "
                                   "token's KV on the device)")
+            shared = [k for k, on in (("select_ahead", self.select_ahead), ("select_every > 1", self.select_every > 1),
+                                       ("rerank_factor > 1", self.rerank_factor > 1),
+                                       ("head_roles", self.head_roles != "all-retrieval"),
+                                       ("recall_audit_every", self.recall_audit_every > 0)) if on]
+            if shared:   # each reads a layer's token lists against another buffer than its hot rows
+                raise ConfigError(f"sparse-kv config: host_tier does not run with {', '.join(shared)} yet")
             if self.host_window < self.recent_window + self.unit_max:
                 raise ConfigError(f"sparse-kv config: host_window ({self.host_window}) must be >= recent_window + "
                                   f"one chunk/page = {self.recent_window + self.unit_max}")

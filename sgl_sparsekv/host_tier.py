@@ -7,14 +7,19 @@ every token, one row per full KV slot: a row lives, is shared by requests over o
 exactly as SGLang's full slot is, so the tier needs no allocator or lifetime of its own. Every write to a sparse
 layer's SWA slot is copied to its row here (write-through), in the pool's stored dtype (fp8 KV stays fp8).
 
-On the CPU engine the sparse layers read their KV here by full slot, which is all the CPU has (host and device
-memory are one). On a GPU the rows will be pinned and a step will read only the chunks it selected, through
-per-request buffers of hot chunks (``sgl_sparsekv/residency.py``); that path is not built yet.
+The sparse layers' prefill, chunk keys and grafts read their KV here by full slot; their decode reads its own
+buffers, per decoding request the chunks it selected (loaded from here where missing) and a ring of its last tokens
+(``sgl_sparsekv/tier_rows.py``). On the CPU engine host and device memory are one; on a GPU the rows will be pinned,
+and the loads read them through unified addressing (not built yet).
 """
 
 from __future__ import annotations
 
 import torch
+
+# requests the tier decodes at once: each holds its own hot buffers (sgl_sparsekv/tier_rows.py), allocated at startup
+# in the rows of the backend's decoder, which has 64 outside CUDA graphs (patches/backend.py)
+MAX_RUNNING = 64
 
 
 def layer_pattern(dense_layers: int, num_layers: int) -> list[int]:

@@ -217,6 +217,7 @@ class SparseKVManager:
         self.audit = (RecallAudit(cfg.recall_audit_every, sparse_layers, cfg.dense_layers)
                       if cfg.recall_audit_every else None)
         self.tier_gauges = None   # the host tier's gauges from SGLang's allocator (patches/host_tier.py)
+        self.max_requests = None  # requests SGLang runs at once: with the host tier, the decoders' hot buffers
         if self.use_kernels:
             precompile_graft(self.pools, self.key_dtype)
             self._precompile_build()

@@ -53,6 +53,7 @@ from sgl_sparsekv.manager import DEBUG, KeptLists, SparseKVManager, logger
 from sgl_sparsekv.pool_ops import select_fine_ref
 from sgl_sparsekv.recall_audit import AuditedRow
 from sgl_sparsekv.request_control import OFF
+from sgl_sparsekv.tier_rows import HotBuffers
 from sgl_sparsekv.transfer import StagedUpload
 
 SPLITS = 8  # flash-decoding splits of a list
@@ -140,7 +141,18 @@ class PooledDecode:
         kept = pools.layers if self.layers_kept else 1
         self.lens, self.windows = i32(kept * max_bs * H), i32(kept * max_bs * H * self.cap)
         self.counts = i32(H * max(bs * self.parts(bs) for bs in range(1, max_bs + 1)))
-        self.owner = [None] * max_bs   # the RequestState whose lists a list row holds (select_every > 1)
+        self.owner = [None] * max_bs   # the RequestState whose lists a list row holds (select_every > 1, host tier)
+        # the host tier: the sparse layers' device KV is the hot buffers of list rows that requests keep while they
+        # decode (sgl_sparsekv/tier_rows.py); there are no more of those than requests SGLang can run
+        self.tier = None
+        if cfg.host_tier:
+            owners = min(max_bs, manager.max_requests or max_bs)
+            self.tier = HotBuffers(owners, pools.layers, H, d, manager.kv_dtype, cfg, dev)
+            self.owner = [None] * owners
+            self._owned = []
+            logger.info("sparse-kv: hot buffers of %.1f MiB for %d decoding requests (%d slots of %d tokens and a "
+                        "ring of %d a request)", self.tier.nbytes / 2**20, owners, self.tier.slots, cfg.chunk_max,
+                        self.tier.ring)
         if kept > 1:
             logger.info("sparse-kv: token lists kept across steps: %.1f MiB for %d batch rows",
                         (self.lens.numel() + self.windows.numel()) * 4 / 2**20, max_bs)
@@ -202,13 +214,14 @@ class PooledDecode:
 
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
-        lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken)."""
-        if self.every == 1:
+        lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken). With
+        the host tier a request keeps its list row (its hot buffers) and selects every step."""
+        if self.every == 1 and self.tier is None:
             return i, 1, S
         r = self._held_row(state)
         if r is None:
             r = self._claim(state, batch)
-        elif S - state.lists.selected_at < self.every:
+        elif self.tier is None and S - state.lists.selected_at < self.every:
             return r, 0, state.lists.selected_at
         state.lists = KeptLists(self, r, S)
         return r, 1, S
@@ -251,6 +264,10 @@ class PooledDecode:
             table = (self._table_ahead(rows, seq_lens, states, eager) if self.ahead
                      else self._table(rows, seq_lens, states))
             self._upload(table, len(rows), padded_bs, req_to_token.shape)
+            if self.tier is not None:
+                for owner, row, S, state in self._owned:
+                    self.tier.take(owner, state, row)
+                self.tier.ring_job([(owner, row, S) for owner, row, S, _ in self._owned], req_to_token)
             if m.audit is not None and any(map(m.needs_sparse, seq_lens)):
                 self._pick_audited(table, eager)
         else:
@@ -271,12 +288,16 @@ class PooledDecode:
         every = self.every
         table = []
         so, room, reused = 0, self.scratch[0].shape[1], 0
-        batch = {id(st) for st in states} if every > 1 else None
+        tier = self.tier is not None
+        batch = {id(st) for st in states} if every > 1 or tier else None
+        self._owned = []
         for i, (row, S, state) in enumerate(zip(rows, seq_lens, states)):
             if state.budget == OFF:
                 table.append(self._dense_row(row, S, state))
                 continue
-            list_row, fresh, tail_from = (i, 1, S) if every == 1 else self._list_row(state, S, i, batch)
+            list_row, fresh, tail_from = (i, 1, S) if every == 1 and not tier else self._list_row(state, S, i, batch)
+            if tier:
+                self._owned.append((list_row, row, S, state))
             ranges = _index_ranges(state, so)
             indexed = ranges is not None
             placed = indexed and (not fresh or so + ranges.fines <= room)
@@ -395,16 +416,18 @@ class PooledDecode:
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, sparse_layer: int,
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
+        if self.tier is not None:
+            self.tier.fill_ring(sparse_layer, k_buf, v_buf)
         if not self.ahead or self.own_order:
             if self.layer_heads[sparse_layer] is not None:
-                self._select(q, k_buf, sparse_layer, req_to_token, scale)
+                self._select(q, k_buf, sparse_layer, req_to_token, scale, v_buf)
             out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
             self._audit(q, k_buf, sparse_layer, req_to_token, scale)
             return out
         out = self._attention(q, k_buf, v_buf, sparse_layer, req_to_token, scale)
         self._audit(q, k_buf, sparse_layer, req_to_token, scale)   # before the next step's lists replace these
         with self._beside(q):
-            self._select(q, k_buf, sparse_layer, req_to_token, scale)
+            self._select(q, k_buf, sparse_layer, req_to_token, scale, v_buf)
         return out
 
     def _audit(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
@@ -434,8 +457,9 @@ class PooledDecode:
             torch.cuda.current_stream().wait_stream(self.side)
             self.forked = False
 
-    def _select(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
-        """The fresh rows' token lists of this layer (its retrieval heads'), from the pools."""
+    def _select(self, q, k_buf, sparse_layer: int, req_to_token, scale: float, v_buf=None) -> None:
+        """The fresh rows' token lists of this layer (its retrieval heads'), from the pools; with the host tier, in
+        rows of the hot buffers, whose misses are loaded from ``k_buf``/``v_buf`` (the host pool)."""
         bs = q.shape[0]
         cfg, n, parts = self.cfg, bs * self.H, self.parts(bs)
         r = slice(0, bs)
@@ -447,6 +471,10 @@ class PooledDecode:
         sel = self.select(qs, coarse, fine, self.ranges, self.budget[r], self.expand, cfg.max_coarse,
                           parts, out=self.scratch, radius_weight=cfg.radius_weight, heads=heads,
                           box=self.manager.pools.box_layer(sparse_layer))
+        if self.tier is not None:
+            self.tier.load(sparse_layer, sel, chunks, self.ranges, self.seq[r], req_to_token, k_buf, v_buf, cfg,
+                           (self.list_rows[r], self.fresh[r]), (lens, windows), heads)
+            return
         reranked = cfg.rerank_factor > 1   # (select_every is 1 then: list rows are batch rows)
         cand = (self.candidates[0][:n], self.candidates[1][:n * self.cap_c]) if reranked else (lens, windows)
         self.emit(sel, chunks, self.ranges, self.rows[r], self.seq[r], req_to_token,
@@ -462,7 +490,20 @@ class PooledDecode:
         bs = q.shape[0]
         r = slice(0, bs)
         lens, windows = self._layer_lists(sparse_layer)
+        if self.tier is not None:   # lists in the hot buffers; a direct row reads the host pool
+            rows = self.direct[r].bool()[:, None, None]
+            out = self._attend_lists(q, self.tier.k[sparse_layer], self.tier.v[sparse_layer], lens, windows, None, r,
+                                     scale)
+            if bool(rows.any()):
+                whole = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
+                out = torch.where(rows, self._attend_lists(q, k_buf, v_buf, torch.zeros_like(lens), windows, whole, r,
+                                                          scale), out)
+            return out
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token, self.tail_from[r])
+        return self._attend_lists(q, k_buf, v_buf, lens, windows, direct, r, scale)
+
+    def _attend_lists(self, q, k_buf, v_buf, lens, windows, direct, r: slice, scale: float) -> torch.Tensor:
+        bs = q.shape[0]
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts, windows, scale, lens=lens,
                                                direct=direct, list_rows=self.list_rows[r])

@@ -86,6 +86,11 @@ GAUGES = {
     "host_rows_used": "Tokens whose sparse-layer KV the host pool holds (SGLang's full KV slots in use; host_tier).",
     "window_slots": "Device KV slots of the sparse layers, each request's recent window (host_tier).",
     "window_slots_used": "Of those, in use (host_tier).",
+    "hot_buffer_bytes": "Bytes of the sparse decode's device buffers: per decoding request its hot chunks and a ring "
+                        "of its last tokens (host_tier).",
+    "hot_rows_hit": "Token rows of selected chunks a decode step found in the hot buffers, summed over sparse layers "
+                    "and KV heads (host_tier).",
+    "hot_rows_loaded": "Token rows of selected chunks loaded from the host pool (host_tier).",
 }
 # what Prometheus exports, by snapshot key: its help text
 EXPORTED = {**{f.name: f.metadata["doc"] for f in Counters.__dataclass_fields__.values() if f.metadata["export"]},

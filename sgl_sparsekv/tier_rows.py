@@ -25,7 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_sparsekv.kernels.host_copy import copy_runs_ref
 from sgl_sparsekv.kernels.select import ChunkRows, batch_ranges, every_row_fresh, union_rows
+from sgl_sparsekv.residency import HotChunks
 
 SINK = torch.iinfo(torch.int32).max   # the sink's chunk id (pool rows never reach it)
 
@@ -85,25 +87,121 @@ def device_lists(table: ChunkTable, first: torch.Tensor, seq_lens: torch.Tensor,
     """-> (lens [n] int32, windows [n * cap] int32), ``emit_tokens``' layout: each written list's tokens as device
     rows, chunk by chunk (``first`` [n, K]: ``plan.first``, each chunk's first hot row), then its tail: position p
     of the owner o (the list row) at ``ring_base[o] + p % ring``. ``H``: KV heads."""
-    bs, n = seq_lens.shape[0], table.ids.shape[0]
+    bs, n, K = seq_lens.shape[0], table.ids.shape[0], table.ids.shape[1]
+    dev = first.device
     if out is None:
-        out = (torch.empty(n, dtype=torch.int32, device=first.device),
-               torch.empty(n * cap, dtype=torch.int32, device=first.device))
+        out = (torch.empty(n, dtype=torch.int32, device=dev), torch.empty(n * cap, dtype=torch.int32, device=dev))
     lens, windows = out
-    list_rows, fresh = (t.tolist() for t in (every_row_fresh(bs, "cpu") if lists_at is None else lists_at))
-    for b, S in enumerate(seq_lens.tolist()):
-        if not fresh[b]:
-            continue
-        for h in (range(H) if heads is None else heads.tolist()):
-            i = list_rows[b] * H + h
-            parts = []
-            for kk in range(table.ids.shape[1]):
-                if int(table.ids[i, kk]) < 0:
-                    break
-                a, e, s0 = int(table.read_from[i, kk]), int(table.read_to[i, kk]), int(table.starts[i, kk])
-                parts.append(int(first[i, kk]) + torch.arange(a - s0, e - s0, device=first.device))
-            tail = ring_base[list_rows[b]] + torch.arange(int(table.tail[i]), S, device=first.device) % ring
-            lst = torch.cat([*parts, tail.to(first.device)]).to(torch.int32)[:cap]
-            windows[i * cap:i * cap + len(lst)] = lst
-            lens[i] = len(lst)
+    list_rows, fresh = every_row_fresh(bs, dev) if lists_at is None else lists_at
+    b = torch.nonzero(fresh[:bs]).flatten()
+    hs = torch.arange(H, device=dev) if heads is None else heads.to(dev, torch.int64)
+    owner = list_rows[b].to(torch.int64).repeat_interleave(len(hs))
+    i = owner * H + hs.repeat(len(b))                                             # the lists written, [m]
+    S = seq_lens[b].to(torch.int64).repeat_interleave(len(hs))
+    # segments: each list's chunks (their rows from the hot slot) then its tail (positions, mapped to the ring)
+    valid = table.ids[i] >= 0
+    a, s0 = table.read_from[i].to(torch.int64), table.starts[i].to(torch.int64)
+    count = torch.cat([torch.where(valid, table.read_to[i].to(torch.int64) - a, 0),
+                       (S - table.tail[i].to(torch.int64))[:, None]], 1)         # [m, K + 1]
+    start = torch.cat([first[i].to(torch.int64) + a - s0, table.tail[i].to(torch.int64)[:, None]], 1)
+    seg = torch.arange(count.numel(), device=dev)
+    n_seg = count.flatten()
+    at = torch.repeat_interleave(seg, n_seg)
+    within = torch.arange(at.numel(), device=dev) - (torch.cumsum(n_seg, 0) - n_seg)[at]
+    val = start.flatten()[at] + within
+    tail = at % (K + 1) == K
+    lst = at // (K + 1)
+    val = torch.where(tail, ring_base[owner[lst]] + val % ring, val)
+    per_list = count.sum(1)
+    j = torch.arange(at.numel(), device=dev) - (torch.cumsum(per_list, 0) - per_list)[lst]   # place in its list
+    keep = j < cap
+    windows[(i[lst] * cap + j)[keep]] = val[keep].to(torch.int32)
+    lens[i] = per_list.clamp(max=cap).to(torch.int32)
     return lens, windows
+
+
+class HotBuffers:
+    """The sparse decode's device KV with the host tier: per sparse layer one buffer of ``owners`` x (hot slots +
+    ring) rows, the owners being list rows that a request keeps while it decodes (``PooledDecode``). Host work
+    (``take``, ``ring_job``) runs in a step's preparation; ``fill_ring`` and ``load`` in each sparse layer."""
+
+    def __init__(self, owners: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype, cfg, device):
+        W = cfg.chunk_max
+        retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+        # one selection names at most retrieve / chunk_min chunks (plus a partial one and the sink); twice that
+        # keeps the chunks of the steps before
+        self.slots = 2 * (retrieve // cfg.chunk_min + 2)
+        self.ring = cfg.token_budget   # a row within the budget reads its whole sequence from its ring
+        span = self.slots * W + self.ring
+        self.owners, self.heads, self.device = owners, heads, device
+        self.base = torch.arange(owners, dtype=torch.int64, device=device) * span
+        self.ring_base = self.base + self.slots * W
+        shape = (layers, owners * span, heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.hot = HotChunks(owners, layers, heads, self.slots, W, self.base)
+        n = owners * heads
+        self.table = ChunkTable(*(torch.full((n, self.slots), -1, dtype=torch.int32, device=device)
+                                  for _ in range(5)), torch.zeros(n, dtype=torch.int32, device=device))
+        self.list_owner = torch.arange(n, device=device) // heads
+        self.list_head = torch.arange(n, device=device) % heads
+        self.req_rows = torch.zeros(owners, dtype=torch.int64, device=device)
+        self.cap = n * self.slots * W   # runs: at most one per row of every slot
+        self.held = [None] * owners     # the request state whose chunks and ring an owner holds
+        self.upto = [0] * owners        # its ring holds positions up to here
+        self.step = 0
+        self.ring_src = self.ring_dst = torch.zeros(0, dtype=torch.int64, device=device)
+        self.rows_hit_loaded = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def take(self, owner: int, state, req_row: int) -> None:
+        """``owner`` serves ``state`` this step: a new request finds its buffers empty."""
+        if self.held[owner] is not state:
+            self.held[owner], self.upto[owner] = state, 0
+            self.hot.clear(owner)
+        self.req_rows[owner] = req_row
+
+    def ring_job(self, entries: list[tuple[int, int, int]], req_to_token: torch.Tensor) -> None:
+        """The ring rows this step writes, for (owner, request row, length) entries: the positions each ring lacks
+        (all of its last ``ring`` at an owner's first step, then the tokens decoded since), read from host at
+        every sparse layer. Also starts the step."""
+        self.step += 1
+        self.table.ids.fill_(-1)
+        req, pos, dst = [], [], []
+        for owner, row, S in entries:
+            lo = max(self.upto[owner], S - self.ring, 0)
+            if lo < S:
+                p = torch.arange(lo, S)
+                req.append(torch.full_like(p, row))
+                pos.append(p)
+                dst.append(int(self.ring_base[owner]) + p % self.ring)
+            self.upto[owner] = S
+        if not pos:
+            self.ring_src = self.ring_dst = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return
+        req, pos = torch.cat(req).to(self.device), torch.cat(pos).to(self.device)
+        self.ring_src = req_to_token[req, pos].long()
+        self.ring_dst = torch.cat(dst).to(self.device)
+
+    def fill_ring(self, layer: int, host_k: torch.Tensor, host_v: torch.Tensor) -> None:
+        if self.ring_src.numel():
+            self.k[layer, self.ring_dst] = host_k[self.ring_src]
+            self.v[layer, self.ring_dst] = host_v[self.ring_src]
+
+    def load(self, layer: int, sel, chunks, ranges, seq_lens, req_to_token, host_k, host_v, cfg, lists_at, lists,
+             heads=None) -> None:
+        """A sparse layer's selection into device lists (``lists``: (lens, windows), ``emit_tokens``' layout): the
+        chunks its lists read that the hot buffers miss are loaded from the host pool."""
+        table = hot_chunks(sel, chunks, ranges, seq_lens, cfg.sink_tokens, cfg.recent_window, self.slots,
+                           dense_limit=cfg.token_budget, lists_at=lists_at, heads=heads, out=self.table)
+        plan = self.hot.plan(layer, self.list_owner, self.list_head, table.ids, table.starts, table.lens,
+                             req_to_token, self.step, self.cap, req_rows=self.req_rows.repeat_interleave(self.heads))
+        copy_runs_ref(host_k.transpose(0, 1), host_v.transpose(0, 1), self.k[layer].transpose(0, 1),
+                      self.v[layer].transpose(0, 1), plan.runs, plan.count)
+        self.rows_hit_loaded += torch.cat([plan.hit_rows, plan.miss_rows])
+        lens, windows = lists
+        device_lists(table, plan.first, seq_lens, self.ring_base, self.ring, self.heads, len(windows) // len(lens),
+                     lists_at=lists_at, heads=heads, out=(lens, windows))

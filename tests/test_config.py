@@ -68,6 +68,9 @@ def test_shipped_configs_load():
     ("lychee", {"host_tier": 1}, "key 'host_tier' must be bool, got int 1"),
     ("lychee", {"host_tier": True, "dense_layers": 0}, "host_tier needs dense_layers >= 1"),
     ("quest", {"host_tier": True, "host_window": 64}, "host_window (64) must be >= recent_window + one chunk/page = 80"),
+    ("lychee", {"host_tier": True, "select_ahead": True, "recall_audit_every": 4},
+     "host_tier does not run with select_ahead, recall_audit_every yet"),
+    ("lychee", {"host_tier": True, "head_roles": "staggered-0.5"}, "host_tier does not run with head_roles yet"),
     ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
     ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),
     ("quest", {"method": "lychee"}, "key 'method' is 'lychee' but --sparse-kv is 'quest'"),
@@ -166,8 +169,11 @@ def test_host_tier_checks():
     sliding-window; the hybrid layers the tier declares itself (patches/host_tier.py) pass the model check."""
     tier = SparseKVConfig.from_method("lychee", {"host_tier": True})
     with pytest.raises(ConfigError, match="host_tier runs on the CPU engine only"):
-        check_server_args(_sa(device="cuda"), tier)
-    check_server_args(_sa(), tier)
+        check_server_args(_sa(device="cuda", max_running_requests=8), tier)
+    for running in (None, 65):   # SGLang's default on the CPU engine is 4,096
+        with pytest.raises(ConfigError, match="host_tier needs --max-running-requests of at most 64"):
+            check_server_args(_sa(max_running_requests=running), tier)
+    check_server_args(_sa(max_running_requests=64), tier)
     ours = dict(architectures=["LlamaForCausalLM"], num_hidden_layers=5, is_hybrid_swa=True,
                 hybrid_layer_pattern=[0, 0, 1, 1, 1], sliding_window_size=1024)
     check_model(SimpleNamespace(**ours), tier)
@@ -249,12 +255,12 @@ def test_engine_kwargs(smollm2_dir):
     # the host tier declares the sparse layers windowed through the model overrides every process reads, beside
     # the user's own keys; a key of its own given by the user is refused
     sa = ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="lychee", json_model_override_args='{"x": 1}',
-                    sparse_kv_config={"host_tier": True, "host_window": 512})
+                    sparse_kv_config={"host_tier": True, "host_window": 512}, max_running_requests=8)
     assert json.loads(sa.json_model_override_args) == {
         "x": 1, "is_hybrid_swa": True, "sliding_window_size": 512, "hybrid_layer_pattern": [0, 0] + [1] * 28}
     with pytest.raises(ConfigError, match="host_tier sets --json-model-override-args key.s. sliding_window_size"):
         ServerArgs(model_path=smollm2_dir, device="cpu", sparse_kv="lychee", sparse_kv_config={"host_tier": True},
-                   json_model_override_args='{"sliding_window_size": 4096}')
+                   json_model_override_args='{"sliding_window_size": 4096}', max_running_requests=8)
 
 
 @pytest.mark.parametrize("device,flashinfer,expected", [

@@ -80,7 +80,8 @@ def run_suite(srv, tok):
 
 # lychee: with the host KV tier (sgl_sparsekv/host_tier.py), its sparse layers keeping 256 tokens a request on the
 # device in a window pool of 3,276 slots (--swa-full-tokens-ratio 0.1 of 32,768), fewer than the suite's prompts
-# hold together, so SGLang frees window slots as the suite goes; the plain pools serve lychee in the data-parallel
+# hold together, so SGLang frees window slots as the suite goes, and its sparse decode reading hot buffers (one set a
+# request it can run: --max-running-requests 8); the plain pools serve lychee in the data-parallel
 # server (whose tokens the tier's must equal), the stress run and the GPU tests. quest: with the live recall audit
 # measuring every second decode step past the budget. The options (hybrid heads, the two-stage selection,
 # select_ahead, fine_bound box) change what a step selects, not how the server runs it: the one lifecycle runs them
@@ -88,7 +89,7 @@ def run_suite(srv, tok):
 # CI about two minutes each
 TIER = {"host_tier": True, "host_window": 256}
 SPARSE = {"lychee": ("lychee", TIER), "quest": ("quest", {"recall_audit_every": 2})}
-EXTRA = {"lychee": ["--swa-full-tokens-ratio", "0.1"], "quest": []}
+EXTRA = {"lychee": ["--swa-full-tokens-ratio", "0.1", "--max-running-requests", "8"], "quest": []}
 
 
 def turns(request) -> list[str]:
@@ -224,13 +225,20 @@ def test_long_prompt_decodes_sparsely(sparse):
 def test_host_tier_decodes_as_plain_pools(dp_run, sparse, smollm2_tokenizer):
     """The lychee server runs with the host tier: past the budget its greedy tokens equal plain lychee's (the
     data-parallel server's) on the same prompt, sent after the suite's traffic took the window pool's slots many
-    times over; the tier's gauges read from SGLang's allocator."""
+    times over; its sparse layers attended to hot buffers that loaded the selected chunks from the host pool and
+    kept them across steps; the tier's gauges read from SGLang's allocator."""
     method, srv, out = sparse
     if out["key"] != "lychee":
         pytest.skip("the host tier runs on the lychee server")
     stats = srv.stats()
     served = srv.generate_ids(dp_prompt(smollm2_tokenizer), DECODE_TOKENS, ignore_eos=True)
     assert served["output_ids"] == dp_run["outputs"][0]
+    after = srv.stats()
+    assert after["hot_rows_loaded"] > stats["hot_rows_loaded"] and after["hot_rows_hit"] > stats["hot_rows_hit"]
+    # per decoding request (at most --max-running-requests 8): 48 slots of 16 tokens and a ring of 256, every sparse
+    # layer, K and V
+    per_request = 2 * 28 * (48 * 16 + 256) * 3 * 64 * 4
+    assert stats["hot_buffer_bytes"] % per_request == 0 and 8 <= stats["hot_buffer_bytes"] // per_request <= 9
     assert stats["window_slots"] < 2 * PASSKEY_LEN   # fewer than the suite's prompts need together
     assert 0 < stats["window_slots_used"] <= stats["window_slots"] and stats["host_rows_used"] >= PASSKEY_LEN
     assert stats["host_kv_bytes"] == 2 * 28 * (int(POOL) + 1) * 3 * 64 * 4   # 28 sparse layers, 3 KV heads, fp32 KV

@@ -303,7 +303,9 @@ class TwinWorld(World):
                 mask = inherited.setdefault(row, own.clone())
                 for h in retrieving:
                     mask[h] = own[h]
-                for h in range(H if row not in self.overflow else 0):   # a dense row reads its whole sequence
+                # a dense row reads its whole sequence; with the host tier the lists name hot-buffer rows, which
+                # the outputs check
+                for h in range(H if row not in self.overflow and self.decoder.tier is None else 0):
                     got = self.decoder.token_list(list_rows[i] * H + h, sl).tolist()
                     want = r2t[row, :len(own[h])][mask[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
@@ -434,6 +436,21 @@ def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method, 
         w.finish(req, abort=False)
     w.pooled.prepare_extend([], [], [], w.req_pool.req_to_token, [])
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
+
+
+@pytest.mark.parametrize("seed,method", [(7, "lychee"), (8, "quest")])
+def test_host_tier_decodes_from_hot_buffers_as_the_spec(seed, method):
+    """With the host tier each step's attention reads the hot buffers (``tier_rows``): the selected chunks loaded from
+    the host pool where they miss, the tail from each request's ring, a row without its index the host pool itself;
+    every output is the spec's, under the same radix history as the plain pools, and chunks stay hot across steps."""
+    w = TwinWorld(seed, {"host_tier": True}, method=method)
+    w.rng = random.Random(seed)
+    w.random_history(14, 0.4, 12)
+    for _ in range(6):
+        w.decode_batch(list(w.live))
+    hit, loaded = w.decoder.tier.rows_hit_loaded.tolist()
+    assert w.sparse_steps > 5 and loaded > 0 and hit > loaded
+    assert w.pooled.stats.grafts > 0
 
 
 @pytest.mark.parametrize("method,overrides", [("lychee", {"head_roles": "staggered-0.5"}),

@@ -52,10 +52,13 @@ def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
     """With the host KV tier on: SGLang admits, retracts and frees by its hybrid pools while the sparse layers read
     every token from the host pool. The window pool (4,096 slots) holds fewer tokens than the load's prompts, so
     SGLang freed the window slots of cached tokens to make room: at idle the radix cache holds more tokens (host
-    rows) than window slots."""
+    rows) than window slots. The greedy tokens within the budget are the same after the load as before it, though
+    the load's requests took the decode's hot buffers in between."""
     res = stress(tmp_path, "--size", "cpu", "--model", smollm2_dir, "--host-tier", "256")
     st = res["stats_idle"][0]
     assert st["window_slots"] == 4096 and st["host_rows_used"] > st["window_slots_used"]
+    # the sparse layers decoded from hot buffers (one set a request it can run): chunks loaded and kept across steps
+    assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0
     assert res["counts"]["complete"]["sent"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
     assert st["requested_dense_steps"] > 0   # requests that asked for dense decoding (custom_params) got it
     # the second of two requests over one prefix, sent one after the other, adopted the first's cached index (a
