@@ -29,13 +29,15 @@ from sgl_sparsekv.kernels.host_copy import copy_runs_ref
 from sgl_sparsekv.kernels.select import ChunkRows, batch_ranges, every_row_fresh, union_rows
 from sgl_sparsekv.residency import HotChunks
 
-SINK = torch.iinfo(torch.int32).max   # the sink's chunk id (pool rows never reach it)
+SINK = torch.iinfo(torch.int32).max   # the sink's chunk id (no chunk starts there)
 
 
 class ChunkTable(NamedTuple):
     """Per list ``i`` (``list_row * H + h``), up to K chunks in the order its tokens are emitted; -1 pads."""
 
-    ids: torch.Tensor      # [n, K] int32: chunk pool row, SINK, or -1
+    # [n, K] int32: a chunk's id, its first position (stable while the request lives, where its pool row is not:
+    # a compaction moves segments), SINK, or -1
+    ids: torch.Tensor
     starts: torch.Tensor   # [n, K] int32: the chunk's first position
     lens: torch.Tensor     # [n, K] int32: its length (what a hot slot holds)
     read_from: torch.Tensor  # [n, K] int32: the positions this step reads, [read_from, read_to)
@@ -72,7 +74,7 @@ def hot_chunks(sel: torch.Tensor, chunks: ChunkRows, ranges: torch.Tensor, seq_l
             st, ln = cstart[k][take].long(), clen[k][take].long()
             lo, hi = st.clamp(min=n_sink), (st + ln).clamp(max=rec)
             keep = hi > lo
-            ids = torch.cat([torch.tensor([SINK], device=sel.device), k[take][keep]])
+            ids = torch.cat([torch.tensor([SINK], device=sel.device), st[keep]])
             cols = (ids, torch.cat([st.new_zeros(1), st[keep]]), torch.cat([st.new_full((1,), n_sink), ln[keep]]),
                     torch.cat([st.new_zeros(1), lo[keep]]), torch.cat([st.new_full((1,), n_sink), hi[keep]]))
             if len(ids) > K:

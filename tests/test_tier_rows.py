@@ -6,7 +6,7 @@ import torch
 
 from bench.packing import pack
 from sgl_sparsekv.kernels.host_copy import copy_runs_ref
-from sgl_sparsekv.kernels.select import emit_tokens_ref
+from sgl_sparsekv.kernels.select import RANGE_FIELDS, ChunkRows, emit_tokens_ref
 from sgl_sparsekv.pool_ops import select_fine_ref
 from sgl_sparsekv.residency import HotChunks
 from sgl_sparsekv.tier_rows import SINK, ChunkTable, device_lists, hot_chunks
@@ -140,3 +140,23 @@ def test_requests_within_the_dense_limit_read_their_ring():
                                            dense_limit=limit)
     assert (table.ids == -1).all() and int(plan.count[0]) == 0
     check_lists(tier, owners, lens, windows, ref_lens, ref_windows, cap)
+
+
+def test_chunks_stay_hot_when_the_pools_move_their_rows():
+    """A pool compaction moves a request's chunk rows: its hot chunks are known by position, so the next step finds
+    them all and reads the same KV."""
+    gen, indexes, q, coarse, fine, chunks, ranges, seq, req_to_token = scenario(2)
+    rows = torch.tensor([1, 2], dtype=torch.int32)
+    owners = torch.tensor([0, 1], dtype=torch.int32)
+    cap = 400
+    tier = Tier(seq, req_to_token, owners=2, ring=RECENT, slots=40, gen=gen)
+    sel = select_fine_ref(q, coarse, fine, ranges, torch.tensor([160, 160], dtype=torch.int32), 16.0)
+    ref = emit_tokens_ref(sel, chunks, ranges, rows, seq, req_to_token, SINK_TOKENS, RECENT, cap)
+    tier.step(sel, chunks, ranges, rows, seq, req_to_token, 0, cap, owners)
+    shift = 7   # every chunk row moves 7 rows on
+    moved = ChunkRows(*(torch.cat([torch.zeros((shift, *t.shape[1:]), dtype=t.dtype), t]) for t in chunks))
+    moved_ranges = ranges.clone()
+    moved_ranges[[RANGE_FIELDS.index("prefix_chunk_at"), RANGE_FIELDS.index("own_chunk_at")]] += shift
+    table, plan, lens, windows = tier.step(sel, moved, moved_ranges, rows, seq, req_to_token, 1, cap, owners)
+    assert int(plan.miss_rows[0]) == 0 and int(plan.hit_rows[0]) > 0
+    check_lists(tier, owners, lens, windows, *ref, cap)
