@@ -197,6 +197,9 @@ class SparseKVConfig:
                                        ("recall_audit_every", self.recall_audit_every > 0)) if on]
             if shared:   # each reads a layer's token lists against another buffer than its hot rows
                 raise ConfigError(f"sparse-kv config: host_tier does not run with {', '.join(shared)} yet")
+            if self.sink_tokens > self.unit_max:   # the sink is one more hot chunk
+                raise ConfigError(f"sparse-kv config: host_tier needs sink_tokens ({self.sink_tokens}) <= the largest "
+                                  f"chunk/page ({self.unit_max})")
             if self.host_window < self.recent_window + self.unit_max:
                 raise ConfigError(f"sparse-kv config: host_window ({self.host_window}) must be >= recent_window + "
                                   f"one chunk/page = {self.recent_window + self.unit_max}")
