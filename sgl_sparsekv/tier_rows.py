@@ -135,7 +135,7 @@ class HotBuffers:
         self.slots = 2 * (retrieve // cfg.chunk_min + 2)
         self.ring = cfg.token_budget   # a row within the budget reads its whole sequence from its ring
         span = self.slots * W + self.ring
-        self.owners, self.heads, self.device = owners, heads, device
+        self.heads, self.device = heads, device
         self.base = torch.arange(owners, dtype=torch.int64, device=device) * span
         self.ring_base = self.base + self.slots * W
         shape = (layers, owners * span, heads, head_dim)
@@ -147,7 +147,7 @@ class HotBuffers:
                                   for _ in range(5)), torch.zeros(n, dtype=torch.int32, device=device))
         self.list_owner = torch.arange(n, device=device) // heads
         self.list_head = torch.arange(n, device=device) % heads
-        self.req_rows = torch.zeros(owners, dtype=torch.int64, device=device)
+        self.list_req_rows = torch.zeros(n, dtype=torch.int64, device=device)   # each list's request row
         self.cap = n * self.slots * W   # runs: at most one per row of every slot
         self.held = [None] * owners     # the request state whose chunks and ring an owner holds
         self.upto = [0] * owners        # its ring holds positions up to here
@@ -164,7 +164,7 @@ class HotBuffers:
         if self.held[owner] is not state:
             self.held[owner], self.upto[owner] = state, 0
             self.hot.clear(owner)
-        self.req_rows[owner] = req_row
+        self.list_req_rows[owner * self.heads:(owner + 1) * self.heads] = req_row
 
     def ring_job(self, entries: list[tuple[int, int, int]], req_to_token: torch.Tensor) -> None:
         """The ring rows this step writes, for (owner, request row, length) entries: the positions each ring lacks
@@ -200,7 +200,7 @@ class HotBuffers:
         table = hot_chunks(sel, chunks, ranges, seq_lens, cfg.sink_tokens, cfg.recent_window, self.slots,
                            dense_limit=cfg.token_budget, lists_at=lists_at, heads=heads, out=self.table)
         plan = self.hot.plan(layer, self.list_owner, self.list_head, table.ids, table.starts, table.lens,
-                             req_to_token, self.step, self.cap, req_rows=self.req_rows.repeat_interleave(self.heads))
+                             req_to_token, self.step, self.cap, req_rows=self.list_req_rows)
         copy_runs_ref(host_k.transpose(0, 1), host_v.transpose(0, 1), self.k[layer].transpose(0, 1),
                       self.v[layer].transpose(0, 1), plan.runs, plan.count)
         self.rows_hit_loaded += torch.cat([plan.hit_rows, plan.miss_rows])
