@@ -176,10 +176,11 @@ def main():
     ap.add_argument("--recall-audit-every", type=int, default=0,
                     help="the lychee server's recall_audit_every (its audited steps run outside CUDA graphs)")
     ap.add_argument("--host-tier", type=int, default=0, metavar="WINDOW",
-                    help="the lychee server with the host KV tier (the CPU engine), keeping the last WINDOW tokens of "
+                    help="the lychee server with the host KV tier, keeping the last WINDOW tokens of "
                          "each request on the device, in a window pool of half the KV pool's tokens; prefill chunks "
                          "of 512 tokens, so SGLang reserves (and locks in its radix tree) at most 512 window slots "
-                         "of a prompt at a time and as many requests run at once as without the tier")
+                         "of a prompt at a time and as many requests run at once as without the tier; on the GPU "
+                         "without CUDA graphs (the tier's decode plans on the host for now)")
     a = ap.parse_args()
     import torch
 
@@ -195,7 +196,8 @@ def main():
     tier = []
     if a.host_tier:
         cfg.update(host_tier=True, host_window=a.host_tier)
-        tier = ["--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "512"]
+        tier = ["--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "512"] + ([] if cpu else
+                                                                                       ["--disable-cuda-graph"])
     with Server(a.model, "lychee", cfg, extra=res["server_args"] + tier, cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         greedy_before = greedy_short(srv, a.seed, z["budget"])

@@ -70,7 +70,7 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
                           f"sparse layers' KV of {rows} tokens, {available_bytes / 2**30:.2f} GiB is available; "
                           "lower --max-total-tokens")
     try:
-        host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype)
+        host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype, device=k0.device)
     except RuntimeError as e:
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier could not allocate {need / 2**30:.2f} GiB of "
                           f"host memory ({str(e).splitlines()[0]})") from None

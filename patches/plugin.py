@@ -66,6 +66,13 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
         # the CPU engine's KV pools live in host memory too: the host pool (every token of every windowed layer)
         # is charged per full slot, as SGLang charges the windowed layers' device slots
         configurator._cell_size += configurator._swa_per_token * configurator._swa_layers_num
+    elif cfg.host_tier:   # the decode's hot buffers, one set per request SGLang can run, are set aside on the device
+        from sgl_sparsekv.host_tier import MAX_RUNNING
+        from sgl_sparsekv.tier_rows import HotBuffers
+
+        owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
+        configurator.sparse_kv_reserved_bytes += HotBuffers.bytes_for(cfg, owners, configurator._swa_layers_num,
+                                                                      configurator._swa_per_token)
     return result
 
 

@@ -129,11 +129,7 @@ class HotBuffers:
 
     def __init__(self, owners: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype, cfg, device):
         W = cfg.chunk_max
-        retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
-        # one selection names at most retrieve / chunk_min chunks (plus a partial one and the sink); twice that
-        # keeps the chunks of the steps before
-        self.slots = 2 * (retrieve // cfg.chunk_min + 2)
-        self.ring = cfg.token_budget   # a row within the budget reads its whole sequence from its ring
+        self.slots, self.ring = self.shape(cfg)
         span = self.slots * W + self.ring
         self.heads, self.device = heads, device
         self.base = torch.arange(owners, dtype=torch.int64, device=device) * span
@@ -154,6 +150,20 @@ class HotBuffers:
         self.step = 0
         self.ring_src = self.ring_dst = torch.zeros(0, dtype=torch.int64, device=device)
         self.rows_hit_loaded = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def shape(cfg) -> tuple[int, int]:
+        """(hot slots, ring rows) of one owner in one layer."""
+        retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
+        # one selection names at most retrieve / chunk_min chunks (plus a partial one and the sink); twice that
+        # keeps the chunks of the steps before. A row within the budget reads its whole sequence from its ring.
+        return 2 * (retrieve // cfg.chunk_min + 2), cfg.token_budget
+
+    @classmethod
+    def bytes_for(cls, cfg, owners: int, layers: int, token_bytes: int) -> int:
+        """The buffers' size; ``token_bytes``: one token's K and V in one layer (all its KV heads)."""
+        slots, ring = cls.shape(cfg)
+        return owners * layers * (slots * cfg.chunk_max + ring) * token_bytes
 
     @property
     def nbytes(self) -> int:

@@ -43,3 +43,31 @@ def test_fp8_rows_stay_bytes_and_read_as_fp8():
 def test_layer_pattern_marks_the_sparse_layers_windowed(dense, layers):
     pattern = layer_pattern(dense, layers)
     assert len(pattern) == layers and pattern.index(1) == dense and sum(pattern) == layers - dense
+
+
+@pytest.mark.gpu
+def test_pinned_rows_are_written_and_read_by_gpu_kernels():
+    """On a GPU the host pool is registered host memory, and its readers and writers get CUDA tensors over it: rows
+    written by a kernel land in host memory, and the hot buffers' copy kernel reads runs of them from there."""
+    from sgl_sparsekv.kernels.host_copy import copy_runs
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, heads, d = 4096, 8, 128
+    host = HostKV([2, 3], rows, heads, d, torch.bfloat16, torch.bfloat16, device=dev)
+    assert host.k.device.type == "cpu" and host.key_buffer(3).device == dev
+    loc = torch.randperm(rows, device=dev, generator=gen)[:1000]
+    k = torch.randn(1000, heads, d, device=dev, generator=gen, dtype=torch.bfloat16)
+    host.write(3, loc, k, -k)
+    torch.cuda.synchronize()
+    assert torch.equal(host.k[1][loc.cpu()], k.cpu()) and torch.equal(host.v[1][loc.cpu()], -k.cpu())
+    assert torch.equal(host.key_buffer(3)[loc], k) and not host.k[0].any()
+    # runs of consecutive host rows into device rows, read through the mapping
+    dst_k, dst_v = (torch.zeros(256, heads, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    runs = torch.tensor([[h, 64 * h + 5, 16 * h, 16] for h in range(heads)], dtype=torch.int32, device=dev)
+    copy_runs(host.key_buffer(3).transpose(0, 1), host.value_buffer(3).transpose(0, 1), dst_k.transpose(0, 1),
+              dst_v.transpose(0, 1), runs, torch.tensor([heads], dtype=torch.int32, device=dev))
+    for h in range(heads):
+        src = slice(64 * h + 5, 64 * h + 21)
+        assert torch.equal(dst_k[16 * h:16 * h + 16, h].cpu(), host.k[1][src, h])
+        assert torch.equal(dst_v[16 * h:16 * h + 16, h].cpu(), host.v[1][src, h])

@@ -47,6 +47,21 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
     assert len(set(heads)) == tp, heads   # the tiny model's 2 KV heads: each rank holds its own
 
 
+@pytest.mark.gpu
+def test_stress_host_tier_on_the_gpu(tmp_path):
+    """The host KV tier on the GPU (CUDA graphs off): the sparse layers' KV of every token in registered host memory,
+    which the prefill, the index and the hot buffers' loads read over the bus; the same checks, and greedy tokens
+    within the budget equal a dense server's (with CUDA graphs)."""
+    if not MKMODEL.exists():
+        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
+    res = stress(tmp_path, "--size", "small", "--model", str(model), "--host-tier", "256")
+    st = res["stats_idle"][0]
+    assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
+    assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
+
+
 @pytest.mark.e2e
 def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
     """With the host KV tier on: SGLang admits, retracts and frees by its hybrid pools while the sparse layers read
