@@ -18,6 +18,7 @@ healthy, and once traffic ends ``/server_info`` reads idle without any further r
 pool row in use, every unit reference accounted for) and empty after ``/flush_cache``, on every TP rank, and the
 ranks cut and grafted the same units. Greedy tokens of prompts within the budget must be the same after the load as
 before it, and (on the GPU, with CUDA graphs) a dense server's; on the CPU the e2e suite compares them with dense.
+With the host tier on the GPU, greedy tokens of two prompts past the budget must equal a plain lychee server's.
 """
 
 from __future__ import annotations
@@ -149,6 +150,13 @@ def greedy_short(srv: Server, seed: int, budget: int) -> list[list[int]]:
     return out
 
 
+def greedy_long(srv: Server, seed: int, budget: int) -> list[list[int]]:
+    """Greedy tokens of two prompts past the budget (sparse decoding from the first new token), one at a time."""
+    rng = random.Random(seed + 2)
+    return [srv.generate_ids([rng.randrange(1000, 30_000) for _ in range(n)], 48, ignore_eos=True)["output_ids"]
+            for n in (3 * budget, 4 * budget + 1)]
+
+
 def shared_prefix_pair(srv: Server, seed: int, prefix_len: int) -> dict:
     """Two requests over one new prefix, one after the other on the idle server: the second must adopt the first's
     cached index and cluster only its own question (under the load, two such requests may be prefilled in one batch
@@ -179,8 +187,7 @@ def main():
                     help="the lychee server with the host KV tier, keeping the last WINDOW tokens of "
                          "each request on the device, in a window pool of half the KV pool's tokens; prefill chunks "
                          "of 512 tokens, so SGLang reserves (and locks in its radix tree) at most 512 window slots "
-                         "of a prompt at a time and as many requests run at once as without the tier; on the GPU "
-                         "without CUDA graphs (the tier's decode plans on the host for now)")
+                         "of a prompt at a time and as many requests run at once as without the tier")
     a = ap.parse_args()
     import torch
 
@@ -196,8 +203,7 @@ def main():
     tier = []
     if a.host_tier:
         cfg.update(host_tier=True, host_window=a.host_tier)
-        tier = ["--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "512"] + ([] if cpu else
-                                                                                       ["--disable-cuda-graph"])
+        tier = ["--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "512"]
     with Server(a.model, "lychee", cfg, extra=res["server_args"] + tier, cpu=cpu, log_path=f"{a.out}.lychee.log",
                 timeout=900) as srv:
         greedy_before = greedy_short(srv, a.seed, z["budget"])
@@ -215,7 +221,15 @@ def main():
         res["metrics_exported"] = "sglang:sparse_kv_index_pool_fill" in requests.get(srv.url + "/metrics",
                                                                                      timeout=60).text
         res["greedy_lychee"] = greedy_short(srv, a.seed, z["budget"])
+        if a.host_tier and not cpu:
+            res["greedy_long_tier"] = greedy_long(srv, a.seed, z["budget"])
     greedy = {"greedy_after_load_equal_before": res["greedy_lychee"] == greedy_before}
+    if a.host_tier and not cpu:   # the tier's sparse decode reads the KV plain lychee reads, in the same order
+        plain = {k: v for k, v in cfg.items() if k not in ("host_tier", "host_window")}
+        with Server(a.model, "lychee", plain, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.plain.log",
+                    timeout=900) as srv:
+            res["greedy_long_plain"] = greedy_long(srv, a.seed, z["budget"])
+        greedy["greedy_past_budget_equal_without_tier"] = res["greedy_long_tier"] == res["greedy_long_plain"]
     if not cpu:
         with Server(a.model, "off", None, extra=res["server_args"], cpu=cpu, log_path=f"{a.out}.dense.log",
                     timeout=900) as srv:

@@ -5,6 +5,7 @@
     dst_k, dst_v   [heads, dst_rows, D] (any strides)  device rows
     runs  [capacity, 4] int32   run j: (head, first src row, first dst row, rows), at most RUN_MAX rows
     count [1] int32             runs past ``count`` are skipped, so a captured launch serves any number of them
+                                (``programs`` programs take the runs in turn)
 -> dst[head, dst_row + i] = src[head, src_row + i] for i < rows, for K and V
 
 A chunk of a request's tokens is a contiguous range of positions, so with the host pool laid out by position the
@@ -26,24 +27,22 @@ RUN_MAX = 64   # rows of one run: the longest chunk (config chunk_max) or page
 @triton.jit
 def _copy_runs_kernel(SrcK, SrcV, DstK, DstV, Runs, Count,
                       s_sh, s_sr, d_sh, d_sr, D: tl.constexpr, BLOCK_D: tl.constexpr, RUN_MAX: tl.constexpr):
-    j = tl.program_id(0)
-    if j >= tl.load(Count):
-        return
-    head = tl.load(Runs + j * 4).to(tl.int64)
-    src = tl.load(Runs + j * 4 + 1).to(tl.int64)
-    dst = tl.load(Runs + j * 4 + 2).to(tl.int64)
-    n = tl.load(Runs + j * 4 + 3)
     offs_r = tl.arange(0, RUN_MAX)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_r < n)[:, None] & (offs_d < D)[None, :]
-    s = head * s_sh + (src + offs_r)[:, None] * s_sr + offs_d[None, :]
-    d = head * d_sh + (dst + offs_r)[:, None] * d_sr + offs_d[None, :]
-    tl.store(DstK + d, tl.load(SrcK + s, mask=mask), mask=mask)
-    tl.store(DstV + d, tl.load(SrcV + s, mask=mask), mask=mask)
+    for j in range(tl.program_id(0), tl.load(Count), tl.num_programs(0)):
+        head = tl.load(Runs + j * 4).to(tl.int64)
+        src = tl.load(Runs + j * 4 + 1).to(tl.int64)
+        dst = tl.load(Runs + j * 4 + 2).to(tl.int64)
+        n = tl.load(Runs + j * 4 + 3)
+        mask = (offs_r < n)[:, None] & (offs_d < D)[None, :]
+        s = head * s_sh + (src + offs_r)[:, None] * s_sr + offs_d[None, :]
+        d = head * d_sh + (dst + offs_r)[:, None] * d_sr + offs_d[None, :]
+        tl.store(DstK + d, tl.load(SrcK + s, mask=mask), mask=mask)
+        tl.store(DstV + d, tl.load(SrcV + s, mask=mask), mask=mask)
 
 
 def copy_runs(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor, runs: torch.Tensor,
-              count: torch.Tensor) -> None:
+              count: torch.Tensor, programs: int = 2048) -> None:
     """Copy ``runs[:count]`` of K and V rows (module docstring). With unified addressing a pinned host tensor's
     pointer is valid on the device (the launch resolves it), so the host pool is passed as it is; each pair shares
     its strides, the last dimension contiguous."""
@@ -52,7 +51,7 @@ def copy_runs(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst
         raise ValueError("the device reads a host pool only from pinned memory (torch.empty(..., pin_memory=True))")
     assert dst_k.stride() == dst_v.stride() and dst_k.stride(-1) == 1 and runs.shape[1] == 4
     assert src_k.stride(0) == src_v.stride(0) and src_k.stride(1) == src_v.stride(1)
-    _copy_runs_kernel[(runs.shape[0],)](src_k, src_v, dst_k, dst_v, runs, count,
+    _copy_runs_kernel[(max(1, min(programs, runs.shape[0])),)](src_k, src_v, dst_k, dst_v, runs, count,
                                         src_k.stride(0), src_k.stride(1), dst_k.stride(0), dst_k.stride(1),
                                         D=D, BLOCK_D=triton.next_power_of_2(D), RUN_MAX=RUN_MAX)
 

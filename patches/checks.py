@@ -54,9 +54,6 @@ def check_server_args(sa, cfg: SparseKVConfig) -> int | None:
     if sa.device != "cpu" and prefill_graphs:
         bad(f"--cuda-graph-backend-prefill {graphs.prefill.backend}",
             "is not supported (prefill keeps per-batch host bookkeeping); decode graphs stay on")
-    if cfg.host_tier and sa.device != "cpu" and (graphs is None or graphs.decode.backend != "disabled"):
-        bad("host_tier", "runs without CUDA graphs on the GPU for now (--disable-cuda-graph): its decode plans "
-                         "the hot buffers' loads on the host (docs/HOST_TIER.md)")
     if cfg.host_tier and not 0 < (sa.max_running_requests or 0) <= MAX_RUNNING:
         bad("host_tier", f"needs --max-running-requests of at most {MAX_RUNNING}: each decoding request holds hot "
                          "buffers of its own, allocated at startup")

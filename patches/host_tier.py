@@ -113,6 +113,7 @@ def gauges(host: HostKV, allocator, hot):
         return {"host_kv_bytes": host.nbytes, "host_rows_used": allocator.size_full - allocator.full_available_size(),
                 "window_slots": allocator.size_swa,
                 "window_slots_used": allocator.size_swa - allocator.swa_available_size(),
-                "hot_buffer_bytes": sum(b.nbytes for b in buffers), "hot_rows_hit": hit, "hot_rows_loaded": loaded}
+                "hot_buffer_bytes": sum(b.nbytes for b in buffers), "hot_rows_hit": hit, "hot_rows_loaded": loaded,
+                "hot_chunks_dropped": sum(int(b.dropped[0]) for b in buffers)}
 
     return read

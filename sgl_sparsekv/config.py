@@ -90,7 +90,7 @@ class SparseKVConfig:
     # The host KV tier (sgl_sparsekv/host_tier.py, docs/HOST_TIER.md): the sparse layers' KV of every token lives
     # in a host pool, and the device keeps, per request, the last ``host_window`` tokens of those layers (SGLang's
     # hybrid sliding-window pools: ``--swa-full-tokens-ratio`` sizes that device pool against the full one).
-    # On a GPU the host pool is registered host memory that kernels read over the bus; CUDA graphs off for now.
+    # On a GPU the host pool is registered host memory that the kernels read over the bus.
     host_tier: bool = False
     host_window: int = 1024
     # --- quest ---

@@ -75,6 +75,7 @@ class StepRow(NamedTuple):
     fresh: int       # selects this step
     list_row: int    # its token lists' row
     tail_from: int   # its tokens from here on are attended beside its lists
+    ring_from: int   # the host tier: its positions from here on are loaded into its owner's ring
 
     def column(self) -> list[int]:
         return [*self.ranges.column(), *self[1:]]
@@ -83,7 +84,8 @@ class StepRow(NamedTuple):
 EXTRA = StepRow._fields[1:]
 UNPLACED = RequestRanges(Segment(), Segment(), 0)   # the ranges of a request without an index in the pools
 # a batch row past the requests: one token of request row 0
-PADDING_ROW = StepRow(UNPLACED, row=0, seq=1, budget=0, direct=1, fresh=0, list_row=0, tail_from=0).column()
+PADDING_ROW = StepRow(UNPLACED, row=0, seq=1, budget=0, direct=1, fresh=0, list_row=0, tail_from=0,
+                      ring_from=1).column()
 
 
 def parts_for(bs: int) -> int:
@@ -133,7 +135,8 @@ class PooledDecode:
         self.fields = tuple(self.table)
         self.ranges = self.table[:NR]
         self.staging = StagedUpload(self.table)
-        self.rows, self.seq, self.budget, self.direct, self.fresh, self.list_rows, self.tail_from = self.fields[NR:]
+        (self.rows, self.seq, self.budget, self.direct, self.fresh, self.list_rows, self.tail_from,
+         self.ring_from) = self.fields[NR:]
         self.scratch = scratch(SCRATCH_PER_FINE_ROW * pools.capacity.fine, H, dev)
         # kept lists: one set per sparse layer when they outlive the step, else one set that every layer rewrites
         self.every, self.ahead = cfg.select_every, cfg.select_ahead
@@ -147,9 +150,8 @@ class PooledDecode:
         self.tier = None
         if cfg.host_tier:
             owners = min(max_bs, manager.max_requests or max_bs)
-            self.tier = HotBuffers(owners, pools.layers, H, d, manager.kv_dtype, cfg, dev)
+            self.tier = HotBuffers(owners, pools.layers, H, d, manager.kv_dtype, cfg, dev, manager.use_kernels)
             self.owner = [None] * owners
-            self._owned = []
             logger.info("sparse-kv: hot buffers of %.1f MiB for %d decoding requests (%d slots of %d tokens and a "
                         "ring of %d a request)", self.tier.nbytes / 2**20, owners, self.tier.slots, cfg.chunk_max,
                         self.tier.ring)
@@ -244,6 +246,7 @@ class PooledDecode:
         for t in self.fields:
             t[:bs].zero_()
         self.seq[:bs].fill_(1)
+        self.ring_from[:bs].fill_(1)
         self.own_order = False
         self.audited = []
 
@@ -261,13 +264,11 @@ class PooledDecode:
         self.own_order = False
         self.audited = []
         if attends:
+            if self.tier is not None:
+                self.tier.start_step()
             table = (self._table_ahead(rows, seq_lens, states, eager) if self.ahead
                      else self._table(rows, seq_lens, states))
             self._upload(table, len(rows), padded_bs, req_to_token.shape)
-            if self.tier is not None:
-                for owner, row, S, state in self._owned:
-                    self.tier.take(owner, state, row)
-                self.tier.ring_job([(owner, row, S) for owner, row, S, _ in self._owned], req_to_token)
             if m.audit is not None and any(map(m.needs_sparse, seq_lens)):
                 self._pick_audited(table, eager)
         else:
@@ -290,14 +291,12 @@ class PooledDecode:
         so, room, reused = 0, self.scratch[0].shape[1], 0
         tier = self.tier is not None
         batch = {id(st) for st in states} if every > 1 or tier else None
-        self._owned = []
         for i, (row, S, state) in enumerate(zip(rows, seq_lens, states)):
             if state.budget == OFF:
                 table.append(self._dense_row(row, S, state))
                 continue
             list_row, fresh, tail_from = (i, 1, S) if every == 1 and not tier else self._list_row(state, S, i, batch)
-            if tier:
-                self._owned.append((list_row, row, S, state))
+            ring_from = self.tier.take(list_row, state, row, S) if tier else S
             ranges = _index_ranges(state, so)
             indexed = ranges is not None
             placed = indexed and (not fresh or so + ranges.fines <= room)
@@ -313,7 +312,7 @@ class PooledDecode:
                 if state.lists is not None:   # its lists are not written this step: it keeps the row, selects
                     state.lists = KeptLists(self, list_row, -every)   # at the next step
             table.append(StepRow(ranges, row, S, self._budget(state, self.cut), direct, fresh and not direct,
-                                 list_row, tail_from))
+                                 list_row, tail_from, ring_from))
             reused += not (fresh or direct)
         self._count(table, states, reused)
         return table
@@ -353,7 +352,7 @@ class PooledDecode:
             if selected is None:
                 m.stats.unselected_steps += m.needs_sparse(S)
             table.append(StepRow(ranges, row, S, self._budget(state, self.retrieve), selected is None, selects,
-                                 list_row, S if selected is None else selected))
+                                 list_row, S if selected is None else selected, S))
         self._count(table, states, 0)
         return table
 
@@ -368,7 +367,7 @@ class PooledDecode:
         """The row of a request that asked for dense decoding: its whole sequence, no selection, no lists kept."""
         state.lists = None
         self.manager.stats.requested_dense_steps += self.manager.needs_sparse(S)
-        return StepRow(UNPLACED, row, S, 0, direct=1, fresh=0, list_row=0, tail_from=S)
+        return StepRow(UNPLACED, row, S, 0, direct=1, fresh=0, list_row=0, tail_from=S, ring_from=S)
 
     def _upload(self, table: list[StepRow], bs: int, padded_bs: int, r2t_shape) -> None:
         """The step's table, padded to the captured batch size, to the device."""
@@ -417,7 +416,9 @@ class PooledDecode:
                req_to_token: torch.Tensor, scale: float) -> torch.Tensor:
         """q [bs, Hq, d] -> [bs, Hq, d]; graph-safe."""
         if self.tier is not None:
-            self.tier.fill_ring(sparse_layer, k_buf, v_buf)
+            r = slice(0, q.shape[0])
+            self.tier.fill_ring(sparse_layer, k_buf, v_buf, self.rows[r], self.seq[r], self.list_rows[r],
+                                self.ring_from[r], req_to_token)
         if not self.ahead or self.own_order:
             if self.layer_heads[sparse_layer] is not None:
                 self._select(q, k_buf, sparse_layer, req_to_token, scale, v_buf)
@@ -494,7 +495,8 @@ class PooledDecode:
             rows = self.direct[r].bool()[:, None, None]
             out = self._attend_lists(q, self.tier.k[sparse_layer], self.tier.v[sparse_layer], lens, windows, None, r,
                                      scale)
-            if bool(rows.any()):
+            # a captured step reads no device value: it always runs the direct rows' call (empty lists elsewhere)
+            if (q.is_cuda and torch.cuda.is_current_stream_capturing()) or bool(rows.any()):
                 whole = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
                 out = torch.where(rows, self._attend_lists(q, k_buf, v_buf, torch.zeros_like(lens), windows, whole, r,
                                                           scale), out)

@@ -91,6 +91,7 @@ GAUGES = {
     "hot_rows_hit": "Token rows of selected chunks a decode step found in the hot buffers, summed over sparse layers "
                     "and KV heads (host_tier).",
     "hot_rows_loaded": "Token rows of selected chunks loaded from the host pool (host_tier).",
+    "hot_chunks_dropped": "Selected chunks a token list left out, past the hot slots of its request (host_tier).",
 }
 # what Prometheus exports, by snapshot key: its help text
 EXPORTED = {**{f.name: f.metadata["doc"] for f in Counters.__dataclass_fields__.values() if f.metadata["export"]},

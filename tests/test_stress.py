@@ -49,9 +49,9 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
 
 @pytest.mark.gpu
 def test_stress_host_tier_on_the_gpu(tmp_path):
-    """The host KV tier on the GPU (CUDA graphs off): the sparse layers' KV of every token in registered host memory,
-    which the prefill, the index and the hot buffers' loads read over the bus; the same checks, and greedy tokens
-    within the budget equal a dense server's (with CUDA graphs)."""
+    """The host KV tier on the GPU: the sparse layers' KV of every token in registered host memory, which the
+    prefill, the index and the hot buffers' loads read over the bus, the decode in CUDA graphs up to a batch of 8;
+    the same checks, and greedy tokens within the budget equal a dense server's."""
     if not MKMODEL.exists():
         pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
     model = tmp_path / "tiny"
@@ -60,6 +60,7 @@ def test_stress_host_tier_on_the_gpu(tmp_path):
     st = res["stats_idle"][0]
     assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
     assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
+    assert st["hot_chunks_dropped"] == 0
 
 
 @pytest.mark.e2e
