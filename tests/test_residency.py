@@ -149,8 +149,9 @@ def test_plan_never_waits_for_the_gpu():
     sel = torch.tensor([[0, 3], [2, -1]], device=dev)   # chunks of W positions each
     args = (torch.zeros(2, dtype=torch.int64, device=dev), torch.arange(2, device=dev), sel, sel.clamp(min=0) * W,
             torch.full((2, 2), W, device=dev), r2t)
+    steps = torch.arange(3, device=dev)   # made before the check: a tensor from a host value is a copy that waits
     with sync_check():
-        for step in range(3):
-            plan = hot.plan(0, *args, torch.tensor(step, device=dev), cap=2 * 2 * W)
+        for step in steps:
+            plan = hot.plan(0, *args, step, cap=2 * 2 * W)
             copy_runs(host_k, host_k, dev_k.transpose(0, 1), dev_k.transpose(0, 1), plan.runs, plan.count)
     assert int(plan.miss_rows) == 0 and int(plan.hit_rows) == 3 * W
