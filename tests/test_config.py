@@ -381,6 +381,37 @@ def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method):
     assert tokens == (available - CACHE_BYTES) // conf._cell_size
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
+    """With the host tier, SGLang's hybrid configurator is charged per full KV slot for the index pools and, on the
+    CPU engine, for the host pool (host and device memory are one); on a GPU the hot buffers, one set per request
+    SGLang can run, are set aside before the pools are sized, as many bytes as the decoders allocate (the H100 run's
+    hot_buffer_bytes for the Llama-3.1-8B shape: 19,126,026,240)."""
+    import sglang.srt.layers.dp_attention as dp
+    from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
+
+    from sgl_sparsekv.index_cache import CACHE_BYTES
+    from sgl_sparsekv.patches.plugin import charge_index_memory_swa
+
+    monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
+    cfg = SparseKVConfig.from_method("lychee", {"host_tier": True})
+    mc = SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128, num_hidden_layers=32)
+    runner = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=cfg.to_dict(), max_running_requests=32),
+                             is_draft_worker=False, model_config=mc, device=device)
+    conf = object.__new__(HybridSWAPoolConfigurator)
+    token = 8 * (128 + 128) * 2   # one token's K and V in one layer
+    conf._swa_per_token, conf._swa_layers_num = token, 30
+    conf._cell_size = 2 * token + 0.8 * 30 * token
+    cell = conf._cell_size
+    charge_index_memory_swa(None, conf, runner)
+    if device == "cuda":
+        assert conf.sparse_kv_reserved_bytes - CACHE_BYTES == 19_126_026_240
+        assert conf._cell_size > cell   # the index pools only
+    else:
+        assert conf.sparse_kv_reserved_bytes == CACHE_BYTES
+        assert conf._cell_size > cell + 30 * token   # the index pools and the host pool
+
+
 def test_expansion_is_coarse_expand_raised_to_the_floor():
     """Budget 1024 (944 retrieved) keeps coarse_expand's 32 x 944 tokens; budget 256 (176) expands the floor's
     30000 tokens, not 32 x 176; floor 0 is coarse_expand alone."""
