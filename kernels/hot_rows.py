@@ -119,34 +119,37 @@ def hot_chunks(sel, chunks, ranges, seq_lens, sink: int, recent: int, dense_limi
 
 def hot_chunks_ref(sel, chunks, ranges, seq_lens, sink: int, recent: int, dense_limit: int, lists_at,
                    out: ChunkTable, dropped: torch.Tensor, heads: torch.Tensor | None = None) -> ChunkTable:
-    """Torch twin of :func:`hot_chunks`."""
+    """Torch twin of :func:`hot_chunks`: per request, every head's list at once."""
     cfine, cstart, clen = chunks
     bs, H, K = seq_lens.shape[0], sel.shape[0], out.ids.shape[1]
+    dev = sel.device
+    hs = torch.arange(H, device=dev) if heads is None else heads.to(dev, torch.int64)
     list_rows, fresh = (t.tolist() for t in lists_at)
     for b, (r, S) in enumerate(zip(batch_ranges(ranges, bs), seq_lens.tolist())):
         if not fresh[b]:
             continue
-        k = union_rows(r, "chunk").to(sel.device)
+        i = list_rows[b] * H + hs                                                     # the lists written
+        n_sink, rec = (0, 0) if S <= dense_limit else (min(sink, S), max(min(sink, S), S - recent))
+        for t in out[:5]:
+            t[i] = -1
+        out.tail[i] = rec
+        if S <= dense_limit:
+            continue
+        k = union_rows(r, "chunk").to(dev)
         cf = cfine[k].long()
         cf[r.prefix.chunks:] += r.prefix.fine
-        n_sink, rec = (0, 0) if S <= dense_limit else (min(sink, S), max(min(sink, S), S - recent))
-        for h in (range(H) if heads is None else heads.tolist()):
-            i = list_rows[b] * H + h
-            for t in out[:5]:
-                t[i] = -1
-            out.tail[i] = rec
-            if S <= dense_limit:
-                continue
-            take = sel[h, r.scratch_at + cf[:, h]] > 0
-            st, ln = cstart[k][take].long(), clen[k][take].long()
-            lo, hi = st.clamp(min=n_sink), (st + ln).clamp(max=rec)
-            keep = hi > lo
-            ids = torch.cat([torch.tensor([SINK], device=sel.device), st[keep]])
-            cols = (ids, torch.cat([st.new_zeros(1), st[keep]]), torch.cat([st.new_full((1,), n_sink), ln[keep]]),
-                    torch.cat([st.new_zeros(1), lo[keep]]), torch.cat([st.new_full((1,), n_sink), hi[keep]]))
-            dropped += max(0, len(ids) - K)
-            for t, c in zip(out[:5], cols):
-                t[i, :min(len(ids), K)] = c[:K].to(torch.int32)
+        take = sel[hs[:, None], r.scratch_at + cf[:, hs].T] > 0                      # [heads, chunks]
+        st, ln = cstart[k].long(), clen[k].long()
+        lo, hi = st.clamp(min=n_sink), (st + ln).clamp(max=rec)
+        keep = take & (hi > lo)[None, :]
+        col = keep.long().cumsum(1)   # a kept chunk's entry: after the sink's and the kept chunks before it
+        dropped += (1 + keep.sum(1) - K).clamp(min=0).sum()
+        for t, v in zip(out[:5], (SINK, 0, n_sink, 0, n_sink)):
+            t[i, 0] = v
+        m = keep & (col < K)
+        at = (i[:, None].expand_as(keep)[m], col[m])
+        for t, v in zip(out[:5], (st, st, ln, lo, hi)):
+            t[at] = v[None, :].expand_as(keep)[m].to(torch.int32)
     return out
 
 
@@ -275,11 +278,12 @@ def fill_ring(src_k, src_v, dst_k, dst_v, rows, seq_lens, list_rows, ring_from, 
 
 def fill_ring_ref(src_k, src_v, dst_k, dst_v, rows, seq_lens, list_rows, ring_from, ring_base, req_to_token,
                   ring: int) -> None:
-    """Torch twin of :func:`fill_ring`."""
-    for row, S, owner, lo in zip(*(t.tolist() for t in (rows, seq_lens, list_rows, ring_from))):
-        if lo < S:
-            p = torch.arange(lo, S, device=req_to_token.device)
-            slots = req_to_token[row, p].long().to(src_k.device)
-            at = (ring_base[owner] + p % ring).to(dst_k.device)
-            dst_k[at] = src_k[slots].to(dst_k.device)
-            dst_v[at] = src_v[slots].to(dst_v.device)
+    """Torch twin of :func:`fill_ring`: every row's positions in one gather."""
+    lo, S = ring_from.to(torch.int64), seq_lens.to(torch.int64)
+    n = (S - lo).clamp(min=0)
+    b = torch.repeat_interleave(torch.arange(len(n), device=n.device), n)
+    p = torch.arange(b.numel(), device=n.device) - (torch.cumsum(n, 0) - n)[b] + lo[b]
+    slots = req_to_token[rows.to(torch.int64)[b], p].long().to(src_k.device)
+    at = (ring_base[list_rows.to(torch.int64)[b]] + p % ring).to(dst_k.device)
+    dst_k[at] = src_k[slots].to(dst_k.device)
+    dst_v[at] = src_v[slots].to(dst_v.device)
