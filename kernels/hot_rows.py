@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sgl_sparsekv.kernels.select import (_chunk_ranges, _emit_request, _program_head, _union_rows, all_heads,
-                                         batch_ranges, every_row_fresh, union_rows)
+                                         batch_ranges, union_rows)
 
 SINK = torch.iinfo(torch.int32).max   # the sink's chunk id (no chunk starts there)
 _SINK = tl.constexpr(SINK)

@@ -38,7 +38,7 @@ class HotBuffers:
         W = cfg.chunk_max
         self.slots, self.ring = self.shape(cfg)
         span = self.slots * W + self.ring
-        self.heads, self.device = heads, device
+        self.heads = heads
         self.base = torch.arange(owners, dtype=torch.int64, device=device) * span
         self.ring_base = self.base + self.slots * W
         shape = (layers, owners * span, heads, head_dim)

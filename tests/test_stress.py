@@ -26,19 +26,24 @@ def stress(tmp_path, *args) -> dict:
     return res
 
 
+def tiny_model(tmp_path) -> str:
+    """A tiny dummy-weight model dir (.gpu-bundle/mkmodel.py), or skip without the bundle."""
+    if not MKMODEL.exists():
+        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
+    return str(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp, page_size, kv_dtype", [(1, 1, "auto"), (2, 1, "auto"), (1, 16, "auto"),
                                                      (1, 1, "fp8_e4m3")])
 def test_stress_small(tmp_path, tp, page_size, kv_dtype):
     import torch
 
-    if not MKMODEL.exists():
-        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    model = tmp_path / "tiny"
-    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
-    res = stress(tmp_path, "--size", "small", "--model", str(model), "--tp-size", str(tp),
+    res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--tp-size", str(tp),
                  "--page-size", str(page_size), "--kv-cache-dtype", kv_dtype)
     assert res["counts"]["complete"]["sent"] > 0 and len(res["stats_idle"]) == tp
     assert all(st["grafts"] > 0 and st["index_reused"] > 0 for st in res["stats_idle"])
@@ -51,12 +56,8 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
 def test_stress_host_tier_on_the_gpu(tmp_path):
     """The host KV tier on the GPU: the sparse layers' KV of every token in registered host memory, which the
     prefill, the index and the hot buffers' loads read over the bus, the decode in CUDA graphs up to a batch of 8;
-    the same checks, and greedy tokens within the budget equal a dense server's."""
-    if not MKMODEL.exists():
-        pytest.skip("needs .gpu-bundle/mkmodel.py (see ../shared/gpu/README.md)")
-    model = tmp_path / "tiny"
-    subprocess.run([sys.executable, str(MKMODEL), str(model), "tiny"], check=True)
-    res = stress(tmp_path, "--size", "small", "--model", str(model), "--host-tier", "256")
+    the same checks, greedy tokens within the budget equal a dense server's and past it a plain lychee server's."""
+    res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--host-tier", "256")
     st = res["stats_idle"][0]
     assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
     assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
