@@ -3,7 +3,7 @@ results: every ten-task run at its latest commit, and the four structured tasks 
 budget sweep's runs too: the same seeded samples, one dense run for both files).
 
     python -m bench.frontier            # bench/results/fidelity_qwen2.5-coder-0.5b_{16k,8k,30k}_frontier.png
-    python -m bench.frontier --tables   # the budget sweep's tables at 8K, 16K and 30K (the README's, generated)
+    python -m bench.frontier --tables   # the budget sweep's tables at 8K, 16K and 30K (docs/RESULTS.md's, generated)
     python -m bench.frontier --missing 16K   # its cells still to serve there, as bench.fidelity --methods words
 """
 

@@ -735,8 +735,8 @@ def compare_fidelity_table(path: Path) -> str:
                      f"answer text as at {' / '.join(labels)}"], rows)
 
 
-# the README's own tables: the latest serving runs (#10) and the GPU fidelity runs (#11); all of them go to
-# docs/RESULTS.md
+# the latest-runs tables of docs/RESULTS.md ("Where the issues stand"): the latest serving runs (#10) and the GPU
+# fidelity runs (#11); every table goes to docs/RESULTS.md's full list too
 LATEST = ("gpu_serving_h100_full.json", "gpu_serving_h200_fine_tiles_shared.json",
           "gpu_serving_h200_random_latekeys.json", "gpu_serving_h200_random_c1.json", "gpu_serving_h200_tpot64k.json",
           "gpu_serving_h200_ahead.json", "gpu_serving_h200_chain_tpot.json", "gpu_serving_h200_chain_shared.json",
@@ -746,7 +746,7 @@ LATEST = ("gpu_serving_h100_full.json", "gpu_serving_h200_fine_tiles_shared.json
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Markdown tables of the committed results")
-    ap.add_argument("--latest", action="store_true", help="only the README's tables (LATEST)")
+    ap.add_argument("--latest", action="store_true", help="only the latest runs' tables (LATEST)")
     latest = ap.parse_args(argv).latest
     out = []
     for name, fn in (("fidelity_qwen2.5-coder-0.5b_8k_gpu.json", fidelity_runs_table),
