@@ -21,6 +21,7 @@ def stress(tmp_path, *args) -> dict:
     """``bench.stress`` with ``args``; its result, after asserting that every check passed."""
     out = tmp_path / "stress.json"
     p = run_driver([sys.executable, "-m", "bench.stress", *args, "--out", str(out)], timeout=900, cwd=ROOT)
+    assert out.exists(), f"bench.stress exited {p.returncode} without a result: {p.stderr[-3000:]}"
     res = json.loads(out.read_text())
     assert p.returncode == 0 and res["passed"], (res.get("checks"), p.stdout[-2000:], p.stderr[-3000:])
     return res
