@@ -1,18 +1,15 @@
 """The README's at-a-glance table: the latest committed run of each option, one function per row, every value read
 from ``bench/results`` (or, for index memory, from the pools' sizing), so the table cannot drift from the results the
-targets tables below it read. ``python -m bench.update_readme`` writes it; ``python -m bench.glance`` prints it.
+targets tables read. ``python -m bench.update_readme`` writes it; ``python -m bench.glance`` prints it.
 
 A cell names its commit, and its card where that is not an H200; ``docs/RESULTS.md`` has every run with its card.
 """
 
 from __future__ import annotations
 
-
-from bench.fidelity import per_task
-from bench.frontier import SWEEP, best_runs, swept
 from bench.report import md_table
 from bench.targets import (BUILD, FIDELITY, FULL, LONG, PROFILE_16, RANDOM, RECALL, SELECTION, SHARED, SHARED_AHEAD,
-                           SHARED_AHEAD_BOX, SHARED_RUNS, TPOT, TPOT_AHEAD, TPOT_AHEAD_BOX, TPOT_AHEAD_JOIN, correct,
+                           SHARED_AHEAD_BOX, TPOT, TPOT_AHEAD, TPOT_AHEAD_BOX, TPOT_AHEAD_JOIN, correct,
                            build_ms, index_shares, latest_run, load, over_4k, batch16_32k, selection_ms)
 
 # the options compared, by the names bench.fidelity gives their runs
