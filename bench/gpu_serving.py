@@ -58,8 +58,11 @@ WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_
 # tokens' key boxes (fine_bound "box", at weight 1: Quest's bound); lychee-ahead-box: both, at fine_bound's default
 # weight (bench.fidelity's lychee-ahead-box-0.25); lychee-tier: the host KV tier (config host_tier, its window and the
 # window pool at their defaults: the sparse layers' device pool holds 0.8 of the full pool's tokens, so this measures
-# the tier's decode at the batch plain lychee runs, not its capacity)
-VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True}, "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
+# the tier's decode at the batch plain lychee runs, not its capacity); lychee-tier-every-k: the tier selecting every k
+# decode steps (loads only at those steps)
+VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
+            **{f"lychee-tier-every-{k}": {"host_tier": True, "select_every": k} for k in (4, 8)},
+            "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
             "lychee-expand-8": {"coarse_expand": 8.0, "coarse_expand_min": 0}, "lychee-rerank-2": {"rerank_factor": 2},
             **{f"lychee-every-{k}": {"select_every": k} for k in (2, 4)},

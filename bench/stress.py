@@ -183,6 +183,8 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="auto", help="SGLang's flag, for both servers (fp8_e4m3: fp8 KV)")
     ap.add_argument("--recall-audit-every", type=int, default=0,
                     help="the lychee server's recall_audit_every (its audited steps run outside CUDA graphs)")
+    ap.add_argument("--select-every", type=int, default=1,
+                    help="the lychee servers' select_every (selection every this many decode steps)")
     ap.add_argument("--host-tier", type=int, default=0, metavar="WINDOW",
                     help="the lychee server with the host KV tier, keeping the last WINDOW tokens of "
                          "each request on the device, in a window pool of half the KV pool's tokens; prefill chunks "
@@ -199,7 +201,8 @@ def main():
            "server_args": server_args(a.size, a.tp_size, a.page_size, a.kv_cache_dtype),
            "budget": z["budget"]}
     cfg = {"token_budget": z["budget"], **({"recall_audit_every": a.recall_audit_every}
-                                           if a.recall_audit_every else {})}
+                                           if a.recall_audit_every else {}),
+           **({"select_every": a.select_every} if a.select_every > 1 else {})}
     tier = []
     if a.host_tier:
         cfg.update(host_tier=True, host_window=a.host_tier)

@@ -13,7 +13,9 @@ and ``lens[i]`` its length. With ``direct`` = (flags, rows, seq_lens, req_to_tok
 is set attends to its whole sequence instead, read straight from its ``req_to_token`` row: the dense
 fallback of a request whose index has no room in the pools, inside the same captured launch. A fifth entry,
 ``tail_from`` [bs], adds to each list the request's positions ``[tail_from, seq_len)`` read from that row: the
-tokens decoded since a list selected a few steps before (config ``select_every``). With ``list_rows`` [bs],
+tokens decoded since a list selected a few steps before (config ``select_every``). With ``tail_ring`` R > 0 the
+tail is read from a ring instead (the host tier's, ``sgl_sparsekv/tier_rows.py``): ``rows[b]`` is its first buffer
+row and position p sits at row ``rows[b] + p % R``; ``req_to_token`` is not read. With ``list_rows`` [bs],
 request ``b``'s lists are those of list row ``list_rows[b]`` (``indptr``/``lens`` entry ``list_rows[b] * H + h``),
 so lists kept across steps need not move when the batch changes.
 
@@ -69,14 +71,18 @@ def _slot_tile(Src, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _list_and_tail_tile(Src, n_list, Tail, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """As ``_slot_tile`` over a list's ``n_list`` entries at ``Src`` followed by the tail's at ``Tail``."""
+def _list_and_tail_tile(Src, n_list, Tail, ring_at, tail_pos, X, blk, hi, h, stride_xn, stride_xh, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, RING: tl.constexpr):
+    """As ``_slot_tile`` over a list's ``n_list`` entries at ``Src`` followed by the tail's: at ``Tail``, or with
+    ``RING`` the rows ``ring_at + p % RING`` of positions p from ``tail_pos`` on."""
     offs_n = blk + tl.arange(0, BLOCK_N)
     valid = offs_n < hi
     in_list = offs_n < n_list
-    slot = tl.where(in_list, tl.load(Src + offs_n, mask=valid & in_list, other=0),
-                    tl.load(Tail + (offs_n - n_list), mask=valid & (offs_n >= n_list), other=0)).to(tl.int64)
+    if RING > 0:
+        tail = ring_at + (tail_pos + offs_n - n_list) % RING
+    else:
+        tail = tl.load(Tail + (offs_n - n_list), mask=valid & (offs_n >= n_list), other=0)
+    slot = tl.where(in_list, tl.load(Src + offs_n, mask=valid & in_list, other=0), tail).to(tl.int64)
     return slot, valid, _rows_of(X, slot, valid, h, stride_xn, stride_xh, D, BLOCK_D)
 
 
@@ -86,7 +92,8 @@ def _partial_kernel(Q, K, V, Indptr, Lens, ListRows, Indices, OPart, LsePart, sm
                     stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
                     H: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, HAS_LENS: tl.constexpr,
-                    HAS_DIRECT: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LIST_ROWS: tl.constexpr):
+                    HAS_DIRECT: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_LIST_ROWS: tl.constexpr,
+                    RING: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)   # b * H + h
     split = tl.program_id(1)
     b = pid // H
@@ -102,16 +109,20 @@ def _partial_kernel(Q, K, V, Indptr, Lens, ListRows, Indices, OPart, LsePart, sm
     src = Indices + start
     tail = src
     n_tail = n_list * 0
+    ring_at = n_tail
+    tail_pos = n_tail
     if HAS_DIRECT:   # the whole sequence (dense fallback), or the list and its tail
-        tail = ReqToToken + tl.load(Rows + b).to(tl.int64) * stride_rt
+        row = tl.load(Rows + b).to(tl.int64)
+        ring_at = row
+        tail = ReqToToken + row * stride_rt
         seq = tl.load(SeqLen + b).to(tl.int64)
         if tl.load(Direct + b) != 0:
             n_list = n_list * 0
             n_tail = seq
         elif HAS_TAIL:
-            t0 = tl.load(TailFrom + b).to(tl.int64)
-            tail += t0
-            n_tail = seq - t0
+            tail_pos = tl.load(TailFrom + b).to(tl.int64)
+            tail += tail_pos
+            n_tail = seq - tail_pos
     lo, hi = _split(0, n_list + n_tail, split, SPLITS, BLOCK_N)
     q = _group_query(Q, b, h, stride_qb, stride_qh, G, BLOCK_G, D, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
@@ -122,8 +133,8 @@ def _partial_kernel(Q, K, V, Indptr, Lens, ListRows, Indices, OPart, LsePart, sm
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for blk in range(lo, hi, BLOCK_N):
-        slot, valid, k = _list_and_tail_tile(src, n_list, tail, K, blk, hi, h, stride_kn, stride_kh, D, BLOCK_D,
-                                             BLOCK_N)
+        slot, valid, k = _list_and_tail_tile(src, n_list, tail, ring_at, tail_pos, K, blk, hi, h, stride_kn,
+                                             stride_kh, D, BLOCK_D, BLOCK_N, RING)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * sm_scale   # fp8 KV dequantizes on load
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -174,12 +185,13 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
                             out: torch.Tensor | None = None, num_splits: int = 8, block_n: int = 32,
                             workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                             lens: torch.Tensor | None = None, direct: tuple | None = None,
-                            list_rows: torch.Tensor | None = None) -> torch.Tensor:
+                            list_rows: torch.Tensor | None = None, tail_ring: int = 0) -> torch.Tensor:
     """q [bs, Hq, d]; k/v_buffer [slots, H, d]; indptr [bs*H+1]; indices [cap] -> out [bs, Hq, d].
 
     ``direct`` = (flags [bs] int32, rows [bs] int32, seq_lens [bs] int32, req_to_token [R, C] int32[, tail_from
     [bs] int32]): requests whose flag is set attend to ``req_to_token[row, :seq_len]``, the others to their list
-    and ``req_to_token[row, tail_from:seq_len]`` (see the module docstring).
+    and ``req_to_token[row, tail_from:seq_len]``, or with ``tail_ring`` their tail from a ring (see the module
+    docstring; a ring's tail comes with the list only, never as a whole sequence).
 
     ``workspace`` (partial outputs and log-sum-exps, see :func:`workspace_for`) can be preallocated
     once for CUDA graphs.
@@ -203,7 +215,7 @@ def sparse_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, BLOCK_N=block_n, SPLITS=num_splits,
         HAS_LENS=lens is not None, HAS_DIRECT=direct is not None, HAS_TAIL=bool(tail),
-        HAS_LIST_ROWS=list_rows is not None)
+        HAS_LIST_ROWS=list_rows is not None, RING=tail_ring)
     _merge_kernel[(bs * H,)](opart, lse, out, out.stride(0), out.stride(1),
                              H=H, G=G, BLOCK_G=BLOCK_G, D=D, BLOCK_D=BLOCK_D, SPLITS=num_splits)
     return out
@@ -217,7 +229,7 @@ def workspace_for(bs: int, H: int, G: int, D: int, num_splits: int, device) -> t
 
 
 def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale, lens=None, direct=None,
-                                list_rows=None):
+                                list_rows=None, tail_ring: int = 0):
     """Torch twin: plain softmax attention per (request, KV head) over its slot list, in fp32."""
     bs, Hq, D = q.shape
     H = k_buffer.shape[1]
@@ -232,7 +244,10 @@ def sparse_decode_attention_ref(q, k_buffer, v_buffer, indptr, indices, sm_scale
             slots = indices[ptr[li]:ends[li]].long()
             if direct is not None:
                 flags, rows, seq_lens, req_to_token, *tail = direct
-                seq = req_to_token[int(rows[b]), :int(seq_lens[b])].long()
+                if tail_ring:   # the positions' rows in the ring from rows[b]
+                    seq = int(rows[b]) + torch.arange(int(seq_lens[b]), device=slots.device) % tail_ring
+                else:
+                    seq = req_to_token[int(rows[b]), :int(seq_lens[b])].long()
                 if int(flags[b]):
                     slots = seq
                 elif tail:

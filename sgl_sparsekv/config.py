@@ -191,12 +191,14 @@ class SparseKVConfig:
             if self.dense_layers < 1:
                 raise ConfigError("sparse-kv config: host_tier needs dense_layers >= 1 (the dense layers hold every "
                                   "token's KV on the device)")
-            shared = [k for k, on in (("select_ahead", self.select_ahead), ("select_every > 1", self.select_every > 1),
-                                       ("rerank_factor > 1", self.rerank_factor > 1),
+            shared = [k for k, on in (("select_ahead", self.select_ahead), ("rerank_factor > 1", self.rerank_factor > 1),
                                        ("head_roles", self.head_roles != "all-retrieval"),
                                        ("recall_audit_every", self.recall_audit_every > 0)) if on]
             if shared:   # each reads a layer's token lists against another buffer than its hot rows
                 raise ConfigError(f"sparse-kv config: host_tier does not run with {', '.join(shared)} yet")
+            if self.select_every > self.token_budget - self.recent_window:   # a kept list's window stays in the ring
+                raise ConfigError(f"sparse-kv config: host_tier needs select_every ({self.select_every}) <= "
+                                  f"token_budget - recent_window = {self.token_budget - self.recent_window}")
             if self.sink_tokens > self.unit_max:   # the sink is one more hot chunk
                 raise ConfigError(f"sparse-kv config: host_tier needs sink_tokens ({self.sink_tokens}) <= the largest "
                                   f"chunk/page ({self.unit_max})")

@@ -148,6 +148,7 @@ class PooledDecode:
         # the host tier: the sparse layers' device KV is the hot buffers of list rows that requests keep while they
         # decode (sgl_sparsekv/tier_rows.py); there are no more of those than requests SGLang can run
         self.tier = None
+        self.no_direct = i32(max_bs)   # the host tier's lists: no row of theirs attends its whole sequence
         if cfg.host_tier:
             owners = min(max_bs, manager.max_requests or max_bs)
             self.tier = HotBuffers(owners, pools.layers, H, d, manager.kv_dtype, cfg, dev, manager.use_kernels)
@@ -217,13 +218,16 @@ class PooledDecode:
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
         lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken). With
-        the host tier a request keeps its list row (its hot buffers) and selects every step."""
+        the host tier a request keeps its list row (its hot buffers) at every period, and its tail is read from its
+        ring, which keeps the positions a list selected within the budget holds only while it is that list's step
+        (the ring is ``token_budget`` long): such a list is selected anew each step."""
         if self.every == 1 and self.tier is None:
             return i, 1, S
         r = self._held_row(state)
         if r is None:
             r = self._claim(state, batch)
-        elif self.tier is None and S - state.lists.selected_at < self.every:
+        elif S - state.lists.selected_at < self.every and (self.tier is None
+                                                            or state.lists.selected_at > self.cfg.token_budget):
             return r, 0, state.lists.selected_at
         state.lists = KeptLists(self, r, S)
         return r, 1, S
@@ -491,10 +495,12 @@ class PooledDecode:
         bs = q.shape[0]
         r = slice(0, bs)
         lens, windows = self._layer_lists(sparse_layer)
-        if self.tier is not None:   # lists in the hot buffers; a direct row reads the host pool
-            rows = self.direct[r].bool()[:, None, None]
-            out = self._attend_lists(q, self.tier.k[sparse_layer], self.tier.v[sparse_layer], lens, windows, None, r,
-                                     scale)
+        if self.tier is not None:   # lists in the hot buffers, their tails in the rings; a direct row reads the
+            rows = self.direct[r].bool()[:, None, None]   # host pool
+            tails = (self.no_direct[r], self.tier.ring_base.index_select(0, self.list_rows[r]), self.seq[r],
+                     req_to_token, self.tail_from[r])
+            out = self._attend_lists(q, self.tier.k[sparse_layer], self.tier.v[sparse_layer], lens, windows, tails,
+                                     r, scale, self.tier.ring)
             # a captured step reads no device value: it always runs the direct rows' call (empty lists elsewhere)
             if (q.is_cuda and torch.cuda.is_current_stream_capturing()) or bool(rows.any()):
                 whole = (self.direct[r], self.rows[r], self.seq[r], req_to_token)
@@ -504,15 +510,17 @@ class PooledDecode:
         direct = (self.direct[r], self.rows[r], self.seq[r], req_to_token, self.tail_from[r])
         return self._attend_lists(q, k_buf, v_buf, lens, windows, direct, r, scale)
 
-    def _attend_lists(self, q, k_buf, v_buf, lens, windows, direct, r: slice, scale: float) -> torch.Tensor:
+    def _attend_lists(self, q, k_buf, v_buf, lens, windows, direct, r: slice, scale: float,
+                      tail_ring: int = 0) -> torch.Tensor:
         bs = q.shape[0]
         if self.workspace is None:
             return sparse_decode_attention_ref(q, k_buf, v_buf, self.starts, windows, scale, lens=lens,
-                                               direct=direct, list_rows=self.list_rows[r])
+                                               direct=direct, list_rows=self.list_rows[r], tail_ring=tail_ring)
         opart, lse = self.workspace
         ws = (opart[:opart.numel() // self.max_bs * bs], lse[:lse.numel() // self.max_bs * bs])
         return sparse_decode_attention(q, k_buf, v_buf, self.starts, windows, scale, num_splits=SPLITS,
-                                       workspace=ws, lens=lens, direct=direct, list_rows=self.list_rows[r])
+                                       workspace=ws, lens=lens, direct=direct, list_rows=self.list_rows[r],
+                                       tail_ring=tail_ring)
 
 
 def check_table(table, bs: int, cap, scratch_rows: int, req_to_token_shape) -> None:

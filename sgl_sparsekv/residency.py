@@ -7,7 +7,8 @@ already in their head's buffer, gives each missing chunk the slot its head used 
 
     first  [n, K]       the device row where each selected chunk's KV starts (its tokens follow it), -1 for padding
     runs   [cap, 4]     (head, host row, device row, rows) for ``kernels.host_copy.copy_runs``: the missing chunks'
-                        rows, cut where their host rows stop being consecutive
+                        rows, cut where their host rows stop being consecutive (in chunk order here, in no fixed
+                        order from the kernel, ``kernels/hot_plan.py``, which the GPU runs)
     count  [1]          how many runs are valid (``needed`` says how many there were, should ``cap`` be short)
 
 Host rows are the request's KV slots in SGLang's pool (``req_to_token``), so a chunk is one run unless the allocator
@@ -21,6 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from sgl_sparsekv.kernels.hot_plan import plan_slots
 
 
 class Plan(NamedTuple):
@@ -39,9 +42,13 @@ class HotChunks:
     as in SGLang's [rows, heads, head_dim] KV buffers), slot ``s`` at ``base[r] + s * width``.
     """
 
-    def __init__(self, requests: int, layers: int, heads: int, slots: int, width: int, base: torch.Tensor):
+    def __init__(self, requests: int, layers: int, heads: int, slots: int, width: int, base: torch.Tensor,
+                 use_kernel: bool = False):
+        """``use_kernel``: plan in one launch (``kernels/hot_plan.py``), for lists whose chunks come before their
+        padding; else in torch operations over every list (this plan is the kernel's twin)."""
         assert base.shape == (requests,) and slots >= 1 and width >= 1
         dev = base.device
+        self.use_kernel = use_kernel
         self.slots, self.width, self.base = slots, width, base.to(torch.int64)
         self.chunk = torch.full((requests, layers, heads, slots), -1, dtype=torch.int32, device=dev)
         # the step a slot was last used at; an empty slot reads -1, so it goes first
@@ -63,6 +70,12 @@ class HotChunks:
         S, W = self.slots, self.width
         assert K <= S, (K, S)
         dev = sel.device
+        if self.use_kernel:
+            step_t = step if torch.is_tensor(step) else torch.tensor([step], dtype=torch.int64, device=dev)
+            first, runs, needed, hit_miss = plan_slots(self.chunk, self.used, self.base, layer, rows, heads,
+                                                       rows if req_rows is None else req_rows, sel, starts, lens,
+                                                       req_to_token, step_t, W, cap)
+            return Plan(first, runs, needed.clamp(max=cap), needed, hit_miss[:1], hit_miss[1:])
         rows64, heads64 = rows.to(torch.int64), heads.to(torch.int64)
         resident = self.chunk[rows64, layer, heads64]                       # [n, S]
         used = self.used[rows64, layer, heads64]

@@ -44,7 +44,7 @@ class HotBuffers:
         shape = (layers, owners * span, heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.hot = HotChunks(owners, layers, heads, self.slots, W, self.base)
+        self.hot = HotChunks(owners, layers, heads, self.slots, W, self.base, use_kernel=use_kernels)
         n = owners * heads
         self.table = ChunkTable.empty(n, self.slots, device)
         self.list_owner = torch.arange(n, device=device) // heads
@@ -87,10 +87,10 @@ class HotBuffers:
     def take(self, owner: int, state, req_row: int, S: int) -> int:
         """``owner`` serves ``state`` at length ``S`` this step (a new request finds its buffers empty) -> the first
         position its ring lacks (``S``: none)."""
-        if self.held[owner] is not state:
+        if self.held[owner] is not state:   # (a request keeps its req_to_token row while it lives)
             self.held[owner], self.upto[owner] = state, 0
             self.hot.clear(owner)
-        self.list_req_rows[owner * self.heads:(owner + 1) * self.heads] = req_row
+            self.list_req_rows[owner * self.heads:(owner + 1) * self.heads] = req_row
         lo = max(self.upto[owner], S - self.ring, 0)
         self.upto[owner] = S
         return min(lo, S)

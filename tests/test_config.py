@@ -71,6 +71,8 @@ def test_shipped_configs_load():
     ("lychee", {"host_tier": True, "select_ahead": True, "recall_audit_every": 4},
      "host_tier does not run with select_ahead, recall_audit_every yet"),
     ("lychee", {"host_tier": True, "head_roles": "staggered-0.5"}, "host_tier does not run with head_roles yet"),
+    ("lychee", {"host_tier": True, "token_budget": 256, "select_every": 250},
+     "host_tier needs select_every (250) <= token_budget - recent_window = 192"),
     ("lychee", {"host_tier": True, "sink_tokens": 32}, "host_tier needs sink_tokens (32) <= the largest chunk/page (16)"),
     ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
     ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),

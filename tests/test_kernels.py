@@ -129,6 +129,38 @@ def test_sparse_decode_direct_rows(tail):
     run_direct_case([30, 150, 7, 260], 400, splits=3, tail=tail)
 
 
+def test_sparse_decode_ring_tail():
+    """The host tier's tail: each request's list, then its positions tail_from .. seq_len at the rows of its ring
+    (first row rows[b], position p at rows[b] + p % R), across the ring's wrap; req_to_token is not read."""
+    gen = torch.Generator().manual_seed(5)
+    bs, H, G, D, R = 4, 2, 4, 64, 24
+    num_slots = 200
+    q = torch.randn(bs, H * G, D, generator=gen).to(DEV, DTYPE)
+    k = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    v = torch.randn(num_slots, H, D, generator=gen).to(DEV, DTYPE)
+    indptr, indices = make_lists(bs, H, num_slots, torch.randint(1, 40, (bs, H), generator=gen), gen)
+    seqs, tail_from, ring_at = [50, 73, 24, 9], [45, 70, 24, 2], [10, 60, 110, 150]   # 70 .. 72 wraps at 72
+    direct = tuple(torch.tensor(x, dtype=torch.int32, device=DEV) for x in ([0] * bs, ring_at, seqs))
+    direct = (*direct[:3], torch.full((1, 1), -1, dtype=torch.int32, device=DEV),
+              torch.tensor(tail_from, dtype=torch.int32, device=DEV))
+    list_rows = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    sparse_decode_attention(q, k, v, indptr, indices, D ** -0.5, out=out, num_splits=3, direct=direct,
+                            list_rows=list_rows, tail_ring=R)
+    ref = sparse_decode_attention_ref(q, k, v, indptr, indices, D ** -0.5, direct=direct, list_rows=list_rows,
+                                      tail_ring=R)
+    assert not torch.isnan(out).any(), "unwritten output"
+    assert rel_err(out, ref) < 1e-2
+    for b in range(bs):   # brute force: the slots written out
+        for h in range(H):
+            li = int(list_rows[b]) * H + h
+            lst = indices[int(indptr[li]):int(indptr[li + 1])].long().cpu()
+            ring = torch.tensor([ring_at[b] + p % R for p in range(tail_from[b], seqs[b])], dtype=torch.long)
+            slots = torch.cat([lst, ring]).to(DEV)
+            p = torch.softmax(q[b, h * G:(h + 1) * G].float() @ k[slots, h].float().T * D ** -0.5, -1)
+            assert rel_err(out[b, h * G:(h + 1) * G], p @ v[slots, h].float()) < 1e-2, (b, h)
+
+
 @pytest.mark.parametrize("minmax", [False, True])
 @pytest.mark.parametrize("D", [64, 128])
 def test_pool_units(minmax, D):

@@ -438,19 +438,26 @@ def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method, 
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
 
 
-@pytest.mark.parametrize("seed,method", [(7, "lychee"), (8, "quest")])
-def test_host_tier_decodes_from_hot_buffers_as_the_spec(seed, method):
+@pytest.mark.parametrize("seed,method,every", [(7, "lychee", 1), (8, "quest", 1), (9, "lychee", 3)])
+def test_host_tier_decodes_from_hot_buffers_as_the_spec(seed, method, every):
     """With the host tier each step's attention reads the hot buffers (``tier_rows``): the selected chunks loaded from
     the host pool where they miss, the tail from each request's ring, a row without its index the host pool itself;
-    every output is the spec's, under the same radix history as the plain pools, and chunks stay hot across steps."""
-    w = TwinWorld(seed, {"host_tier": True}, method=method)
+    every output is the spec's, under the same radix history as the plain pools, and chunks stay hot across steps.
+    With select_every 3 a request attends between its selections to its kept lists plus the tokens decoded since,
+    read from its ring, and loads nothing at those steps."""
+    w = TwinWorld(seed, {"host_tier": True, **({"select_every": every} if every > 1 else {})}, method=method)
     w.rng = random.Random(seed)
     w.random_history(14, 0.4, 12)
+    loads = []
     for _ in range(6):
+        before = w.decoder.tier.rows_hit_loaded.tolist()
         w.decode_batch(list(w.live))
+        loads.append((any(w.decoder.fresh[:len(w.live)].tolist()), w.decoder.tier.rows_hit_loaded.tolist() != before))
     hit, loaded = w.decoder.tier.rows_hit_loaded.tolist()
     assert w.sparse_steps > 5 and loaded > 0 and hit > loaded
     assert w.pooled.stats.grafts > 0
+    assert all(fresh or not moved for fresh, moved in loads)   # a step where no row selects reads no chunk
+    assert (w.reused > 0) == (every > 1)
 
 
 @pytest.mark.parametrize("method,overrides", [("lychee", {"head_roles": "staggered-0.5"}),

@@ -49,13 +49,15 @@ def scenario(seed: int, device: str, scattered: bool):
     return rng, starts, lens, slots.to(torch.int32).to(device), host_k, host_v
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_plan_equals_lru_and_loads_every_selected_chunk(seed, scattered, device="cpu"):
+def test_plan_equals_lru_and_loads_every_selected_chunk(seed, scattered, kernel, device="cpu"):
+    """``kernel``: the plan in one launch (kernels/hot_plan.py), else its torch twin."""
     rng, starts, lens, r2t, host_k, host_v = scenario(seed, device, scattered)
     layers, slots, K = 2, 6, 5
     base = torch.tensor([1, 1 + slots * W], device=device)   # row 0 stays unused, as SGLang's padding slot
-    hot = HotChunks(2, layers, H, slots, W, base)
+    hot = HotChunks(2, layers, H, slots, W, base, use_kernel=kernel)
     dev_k = torch.zeros(layers, 1 + 2 * slots * W, H, D, device=device)
     dev_v = torch.zeros_like(dev_k)
     if device == "cuda":
@@ -97,10 +99,11 @@ def test_plan_equals_lru_and_loads_every_selected_chunk(seed, scattered, device=
     assert hits > 0 and misses > 0   # the scenario exercised both
 
 
-def test_runs_follow_consecutive_slots():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_runs_follow_consecutive_slots(kernel):
     """A chunk over consecutive slots is one run; one whose slots break in the middle is two."""
     r2t = torch.tensor([[0, 10, 11, 12, 13, 40, 41, 20, 21]], dtype=torch.int32)
-    hot = HotChunks(1, 1, 1, 4, 4, torch.tensor([100]))
+    hot = HotChunks(1, 1, 1, 4, 4, torch.tensor([100]), use_kernel=kernel)
     sel = torch.tensor([[0, 1]])
     plan = hot.plan(0, torch.tensor([0]), torch.tensor([0]), sel, torch.tensor([[1, 5]]), torch.tensor([[4, 4]]),
                     r2t, 0, cap=8)
@@ -112,9 +115,10 @@ def test_runs_follow_consecutive_slots():
     assert int(again.count) == 0 and int(again.hit_rows) == 4 and again.first.tolist() == [[104, -1]]
 
 
-def test_short_capacity_is_reported():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_short_capacity_is_reported(kernel):
     r2t = torch.arange(0, 64, 2, dtype=torch.int32)[None]   # no two positions on consecutive slots
-    hot = HotChunks(1, 1, 1, 2, 4, torch.tensor([0]))
+    hot = HotChunks(1, 1, 1, 2, 4, torch.tensor([0]), use_kernel=kernel)
     plan = hot.plan(0, torch.tensor([0]), torch.tensor([0]), torch.tensor([[0, 1]]), torch.tensor([[0, 4]]),
                     torch.tensor([[4, 4]]), r2t, 0, cap=5)
     assert int(plan.needed) == 8 and int(plan.count) == 5
@@ -132,10 +136,49 @@ def test_cleared_row_loads_again():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("scattered", [False, True])
-def test_plan_and_copy_on_the_gpu(scattered):
+def test_plan_and_copy_on_the_gpu(scattered, kernel):
     """The same steps on the device, the runs copied by the kernel from a pinned host pool."""
-    test_plan_equals_lru_and_loads_every_selected_chunk(3, scattered, device="cuda")
+    test_plan_equals_lru_and_loads_every_selected_chunk(3, scattered, kernel, device="cuda")
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_plan_kernel_equals_its_twin(dev):
+    """At the tier's shape (240 slots a list, chunks of up to 16 rows, lists that select and lists that do not,
+    runs broken where slots scatter) over a history of steps: the kernel's plan equals the torch plan, slot for slot
+    and run for run (the kernel's runs in no fixed order)."""
+    gen = torch.Generator().manual_seed(0)
+    owners, layers, heads, slots, width, positions = 3, 2, 2, 240, 16, 8192
+    base = torch.arange(owners, device=dev) * (slots * width + 64)
+    twin, kern = (HotChunks(owners, layers, heads, slots, width, base, use_kernel=k) for k in (False, True))
+    r2t = torch.stack([torch.randperm(owners * positions, generator=gen)[:positions] // 3 * 3 for _ in range(owners)])
+    r2t[:, ::5] = torch.arange(positions)[::5]   # stretches of consecutive slots, broken in places
+    r2t = r2t.to(torch.int32).to(dev)
+    n = owners * heads
+    rows = (torch.arange(n) // heads).to(dev)
+    hs = (torch.arange(n) % heads).to(dev)
+    pool = torch.randperm(positions // width, generator=gen)[:400]   # the chunks the lists draw from
+    for step in range(6):
+        layer = step % layers
+        sel = torch.full((n, slots), -1, dtype=torch.int32)
+        for i in range(n):
+            if torch.rand(1, generator=gen) < 0.25:
+                continue   # this list does not select this step
+            k = int(torch.randint(1, slots + 1, (1,), generator=gen))
+            sel[i, :k] = pool[torch.randperm(len(pool), generator=gen)[:k]]
+        sel = sel.to(dev)
+        starts = (sel.clamp(min=0) * width).to(torch.int32)
+        lens = torch.where(sel >= 0, 1 + sel % width, 0).to(torch.int32)
+        want = twin.plan(layer, rows, hs, sel, starts, lens, r2t, step, cap=n * slots * width)
+        got = kern.plan(layer, rows, hs, sel, starts, lens, r2t, step, cap=n * slots * width)
+        assert torch.equal(got.first, want.first), step
+        assert torch.equal(kern.chunk, twin.chunk) and torch.equal(kern.used, twin.used), step
+        assert int(got.needed) == int(want.needed) == int(got.count) > 0, step
+        runs = lambda p: sorted(map(tuple, p.runs[:int(p.count)].tolist()))
+        assert runs(got) == runs(want), step
+        assert int(got.hit_rows) == int(want.hit_rows) and int(got.miss_rows) == int(want.miss_rows), step
+    assert int(got.hit_rows) > 0
 
 
 @pytest.mark.gpu

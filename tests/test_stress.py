@@ -54,11 +54,14 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
 
 
 @pytest.mark.gpu
-def test_stress_host_tier_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("every", [1, 4])
+def test_stress_host_tier_on_the_gpu(tmp_path, every):
     """The host KV tier on the GPU: the sparse layers' KV of every token in registered host memory, which the
     prefill, the index and the hot buffers' loads read over the bus, the decode in CUDA graphs up to a batch of 8;
-    the same checks, greedy tokens within the budget equal a dense server's and past it a plain lychee server's."""
-    res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--host-tier", "256")
+    the same checks, greedy tokens within the budget equal a dense server's and past it a plain lychee server's
+    (with select_every 4 both servers select every 4th step, the tier's tails read from its rings)."""
+    res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--host-tier", "256",
+                 "--select-every", str(every))
     st = res["stats_idle"][0]
     assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
     assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
