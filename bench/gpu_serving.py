@@ -45,7 +45,7 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms",
         "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_e2e_latency_ms")
-WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_c32")
+WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_c32", "capacity32", "capacity126")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
 # lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
@@ -59,9 +59,11 @@ WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_
 # weight (bench.fidelity's lychee-ahead-box-0.25); lychee-tier: the host KV tier (config host_tier, its window and the
 # window pool at their defaults: the sparse layers' device pool holds 0.8 of the full pool's tokens, so this measures
 # the tier's decode at the batch plain lychee runs, not its capacity); lychee-tier-every-k: the tier selecting every k
-# decode steps (loads only at those steps)
+# decode steps (loads only at those steps); lychee-tier-capacity: the tier sized for capacity (docs/HOST_TIER.md,
+# "Capacity model"): a host pool of 96 GiB and a window pool of a tenth of the full one (VARIANT_ARGS)
 VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             **{f"lychee-tier-every-{k}": {"host_tier": True, "select_every": k} for k in (4, 8)},
+            "lychee-tier-capacity": {"host_tier": True, "select_every": 4, "host_memory_gb": 96.0},
             "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
             "lychee-expand-8": {"coarse_expand": 8.0, "coarse_expand_min": 0}, "lychee-rerank-2": {"rerank_factor": 2},
@@ -70,6 +72,7 @@ VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             "lychee-ahead-box": {"select_ahead": True, "fine_bound": "box"},
             **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
                for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
+VARIANT_ARGS = {"lychee-tier-capacity": ["--swa-full-tokens-ratio", "0.1"]}   # server flags beside COMMON
 # --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
 # by another model's shape
 SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),
@@ -212,7 +215,10 @@ def measure(srv: Server, a, name: str, out: dict, save) -> dict:
                  "mixed": (random_ids(32768, 512, 48, range_ratio=0.1), 48, 16),
                  "shared": SHARED,
                  "shared64_c16": (shared_prefix(32), 64, 16),
-                 "shared64_c32": (shared_prefix(32), 64, 32)}
+                 "shared64_c32": (shared_prefix(32), 64, 32),
+                 # issue #93's capacity workloads: more long requests than dense's KV pool holds at once
+                 "capacity32": (random_ids(32768, 256, 32), 32, 32),
+                 "capacity126": (random_ids(126976, 256, 8), 8, 8)}
     for w in a.workloads:
         dataset, prompts, conc = workloads[w]
         out[w] = serve_bench(srv, dataset, prompts, conc, f"{a.out}.{name}.{w}.jsonl")
@@ -249,7 +255,8 @@ def tpot_ratios(dense: dict, sparse: dict) -> dict:
 
 # lychee over dense per workload, stored under these keys
 RATIO_KEYS = {"shared": "shared_prefix", "random": "random_ids", "random64": "random64", "mixed": "mixed",
-              "shared64_c16": "shared64_c16", "shared64_c32": "shared64_c32"}
+              "shared64_c16": "shared64_c16", "shared64_c32": "shared64_c32", "capacity32": "capacity32",
+              "capacity126": "capacity126"}
 SUMMARY = ("greedy_equal_within_budget", "greedy_past_budget_same_tokens", "tpot_ratio_lychee_over_dense",
            *RATIO_KEYS.values())
 
@@ -292,7 +299,8 @@ def method_server(a, name: str, server_args: list[str]) -> Server:
     """The GPU server of method ``name`` (dense, lychee, a variant or quest) at ``a.budget``, logging beside
     ``a.out``."""
     method, cfg = ("off", None) if name == "dense" else (SERVED[name][0], {"token_budget": a.budget, **SERVED[name][1]})
-    return Server(a.model, method, cfg, extra=server_args, cpu=False, log_path=f"{a.out}.{name}.log", timeout=900)
+    return Server(a.model, method, cfg, extra=server_args + VARIANT_ARGS.get(name, []), cpu=False,
+                  log_path=f"{a.out}.{name}.log", timeout=900)
 
 
 def main():

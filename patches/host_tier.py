@@ -50,7 +50,7 @@ def add_model_overrides(server_args, cfg: SparseKVConfig, num_layers: int | None
 def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) -> HostKV:
     """Give ``pool`` (SGLang's SWAKVPool) a host pool for its sparse layers: writes go through to it, and those
     layers' key and value buffers become the host pool's (by full KV slot). Refuses with one line what cannot
-    fit in ``available_bytes`` of host memory."""
+    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``."""
     if not isinstance(pool, SWAKVPool):
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs SGLang's hybrid sliding-window KV pool, got "
                           f"{type(pool).__name__}")
@@ -65,10 +65,14 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs the token-major KV layout [slots, heads, dim]")
     rows = full.k_buffer[0].shape[0]
     need = HostKV.bytes_for(len(sparse), rows, k0.shape[1], k0.shape[2], k0.element_size())
-    if need > available_bytes:
+    if cfg.host_memory_gb * 2**30 > available_bytes:
+        raise ConfigError(f"--sparse-kv {cfg.method}: host_memory_gb ({cfg.host_memory_gb:g}) is more than the "
+                          f"{available_bytes / 2**30:.2f} GiB of host memory available")
+    limit = int(cfg.host_memory_gb * 2**30) or available_bytes
+    if need > limit:
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs {need / 2**30:.2f} GiB of host memory for the "
-                          f"sparse layers' KV of {rows} tokens, {available_bytes / 2**30:.2f} GiB is available; "
-                          "lower --max-total-tokens")
+                          f"sparse layers' KV of {rows} tokens, {limit / 2**30:.2f} GiB is "
+                          f"{'host_memory_gb' if cfg.host_memory_gb else 'available'}; lower --max-total-tokens")
     try:
         host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype, device=k0.device)
     except RuntimeError as e:

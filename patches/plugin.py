@@ -62,6 +62,14 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     surface.check_instance(configurator, surface.SWA_CONFIGURATOR_ATTRS, "HybridSWAPoolConfigurator")
     configurator._cell_size = charge_index_memory(configurator._cell_size, configurator, runner,
                                                   runner.model_config.num_hidden_layers)
+    if cfg.host_tier:
+        import psutil
+
+        from sgl_sparsekv.host_tier import host_budget
+
+        # no more full slots than the host pool holds the sparse layers' KV of (read by reserve_index_cache)
+        budget = host_budget(cfg.host_memory_gb, psutil.virtual_memory().available)
+        configurator.sparse_kv_host_slots = budget // (configurator._swa_per_token * configurator._swa_layers_num)
     if cfg.host_tier and str(runner.device) == "cpu":
         # the CPU engine's KV pools live in host memory too: the host pool (every token of every windowed layer)
         # is charged per full slot, as SGLang charges the windowed layers' device slots
@@ -76,13 +84,23 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     return result
 
 
-def reserve_index_cache(original, configurator, available_bytes, *args, **kwargs):
-    """SGLang sizes the KV pool from the bytes left after the weights: set the index cache aside first."""
+def reserve_index_cache(original, configurator, available_bytes, page_size, *args, **kwargs):
+    """SGLang sizes the KV pool from the bytes left after the weights: set the index cache aside first. With the host
+    tier, the full slots are also capped by what the host pool holds."""
     reserved = getattr(configurator, "sparse_kv_reserved_bytes", 0)
     if reserved:
         logger.info("sparse-kv: %.2f GiB of %.2f GiB set aside for cached indexes before sizing the KV pool",
                     reserved / (1 << 30), available_bytes / (1 << 30))
-    return original(configurator, max(0, available_bytes - reserved), *args, **kwargs)
+    sizes = original(configurator, max(0, available_bytes - reserved), page_size, *args, **kwargs)
+    cap = getattr(configurator, "sparse_kv_host_slots", None)
+    if cap is not None:
+        cap -= page_size   # SGLang's pools hold a page of padding slots beside their size
+        surface.check_instance(sizes, surface.POOL_SIZES_ATTRS, "MemoryPoolConfig")
+        if sizes.full_max_total_num_tokens > cap:
+            logger.info("sparse-kv: %d KV slots, the host pool's capacity, where the device would hold %d",
+                        cap, sizes.full_max_total_num_tokens)
+            sizes = configurator.calculate_pool_sizes_from_max_tokens(cap, page_size)
+    return sizes
 
 
 def _sparse_backend(scheduler):

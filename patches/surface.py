@@ -100,7 +100,8 @@ KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer", "start_l
 # the host tier (patches/host_tier.py): the hybrid configurator's per-token bytes, which the index pools (and, on
 # the CPU engine, the host pool) are charged to; the allocator's two pool sizes (its gauges); the hybrid pool's layer
 # map, its two pools and their buffers
-SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num")
+SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num", "calculate_pool_sizes_from_max_tokens")
+POOL_SIZES_ATTRS = ("full_max_total_num_tokens",)   # MemoryPoolConfig, what calculate_pool_sizes returns
 SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
 SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance

@@ -93,6 +93,9 @@ class SparseKVConfig:
     # On a GPU the host pool is registered host memory that the kernels read over the bus.
     host_tier: bool = False
     host_window: int = 1024
+    # The host pool's size in GiB (0: 90% of the host memory available at startup). SGLang's memory plan gives the
+    # KV pool no more slots than the sparse layers' KV of every slot can fill here.
+    host_memory_gb: float = 0.0
     # --- quest ---
     page_size: int = 16
 
@@ -149,7 +152,8 @@ class SparseKVConfig:
         for k in positive:
             if getattr(self, k) <= 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be > 0, got {getattr(self, k)}")
-        for k in ("sink_tokens", "recent_window", "dense_layers", "coarse_expand_min", "recall_audit_every"):
+        for k in ("sink_tokens", "recent_window", "dense_layers", "coarse_expand_min", "recall_audit_every",
+                  "host_memory_gb"):
             if getattr(self, k) < 0:
                 raise ConfigError(f"sparse-kv config: key {k!r} must be >= 0, got {getattr(self, k)}")
         if self.chunk_min > self.chunk_max:
@@ -186,6 +190,8 @@ class SparseKVConfig:
             if self.token_budget < need:
                 raise ConfigError(f"sparse-kv config: token_budget ({self.token_budget}) must be >= sink_tokens + "
                                   f"recent_window + one chunk/page = {need}")
+        if self.host_memory_gb and not self.host_tier:
+            raise ConfigError("sparse-kv config: host_memory_gb sizes the host tier's pool; it needs host_tier true")
         if self.host_tier:
             # SGLang's hybrid pools need a full layer; the window holds the tokens not yet indexed
             if self.dense_layers < 1:

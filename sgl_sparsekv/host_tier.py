@@ -33,6 +33,11 @@ def layer_pattern(dense_layers: int, num_layers: int) -> list[int]:
     return [0] * dense_layers + [1] * (num_layers - dense_layers)
 
 
+def host_budget(host_memory_gb: float, available: int) -> int:
+    """Bytes the host pool may take: ``host_memory_gb`` (config), else 90% of the ``available`` host memory."""
+    return int(host_memory_gb * 2**30) if host_memory_gb else int(0.9 * available)
+
+
 class _Mapped:
     """``__cuda_array_interface__`` of registered host bytes: ``torch.as_tensor`` then makes a CUDA tensor over them."""
 

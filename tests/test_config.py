@@ -73,6 +73,8 @@ def test_shipped_configs_load():
     ("lychee", {"host_tier": True, "head_roles": "staggered-0.5"}, "host_tier does not run with head_roles yet"),
     ("lychee", {"host_tier": True, "token_budget": 256, "select_every": 250},
      "host_tier needs select_every (250) <= token_budget - recent_window = 192"),
+    ("lychee", {"host_memory_gb": 64}, "host_memory_gb sizes the host tier's pool; it needs host_tier true"),
+    ("quest", {"host_tier": True, "host_memory_gb": -1.0}, "key 'host_memory_gb' must be >= 0, got -1.0"),
     ("lychee", {"host_tier": True, "sink_tokens": 32}, "host_tier needs sink_tokens (32) <= the largest chunk/page (16)"),
     ("lychee", {"page_size": 8}, "key 'page_size' applies to --sparse-kv quest, not lychee"),
     ("quest", {"chunk_min": 4}, "key 'chunk_min' applies to --sparse-kv lychee, not quest"),
@@ -393,6 +395,7 @@ def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
     from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
 
     from sgl_sparsekv.index_cache import CACHE_BYTES
+    from sgl_sparsekv.manager import bytes_per_token
     from sgl_sparsekv.patches.plugin import charge_index_memory_swa
 
     monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
@@ -406,12 +409,43 @@ def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
     conf._cell_size = 2 * token + 0.8 * 30 * token
     cell = conf._cell_size
     charge_index_memory_swa(None, conf, runner)
+    index = bytes_per_token(cfg, 32, 8, 128)
     if device == "cuda":
         assert conf.sparse_kv_reserved_bytes - CACHE_BYTES == 19_126_026_240
-        assert conf._cell_size > cell   # the index pools only
+        assert conf._cell_size == cell + index
     else:
         assert conf.sparse_kv_reserved_bytes == CACHE_BYTES
-        assert conf._cell_size > cell + 30 * token   # the index pools and the host pool
+        assert conf._cell_size == cell + index + 30 * token
+
+
+@pytest.mark.parametrize("gib, capped", [(1, True), (1000, False)])
+def test_host_tier_kv_slots_are_capped_by_the_host_pool(monkeypatch, gib, capped):
+    """The memory plan gives the hybrid pools no more full KV slots than host_memory_gb holds the sparse layers' KV
+    of (1 GiB: 8,738 rows of 30 layers x 4 KiB, one of them SGLang's padding slot), and leaves a plan the host holds as SGLang made it."""
+    import sglang.srt.layers.dp_attention as dp
+    from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
+
+    from sgl_sparsekv.patches.plugin import charge_index_memory_swa, reserve_index_cache
+
+    monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
+    cfg = SparseKVConfig.from_method("lychee", {"host_tier": True, "host_memory_gb": float(gib)})
+    mc = SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128, num_hidden_layers=32)
+    runner = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=cfg.to_dict(), max_running_requests=8),
+                             is_draft_worker=False, model_config=mc, device="cuda")
+    conf = object.__new__(HybridSWAPoolConfigurator)
+    token = 8 * (128 + 128) * 2
+    conf._swa_per_token, conf._swa_layers_num, conf._full_layers_num = token, 30, 2
+    conf._swa_full_tokens_ratio = 0.25
+    conf._cell_size = 2 * token + 0.25 * 30 * token
+    charge_index_memory_swa(None, conf, runner)
+    original = getattr(HybridSWAPoolConfigurator.calculate_pool_sizes, "__wrapped__",
+                       HybridSWAPoolConfigurator.calculate_pool_sizes)
+    available = conf.sparse_kv_reserved_bytes + 100_000 * int(conf._cell_size)   # 100,000 slots on the device
+    sizes = reserve_index_cache(original, conf, available, 1)
+    slots = 2**30 * gib // (30 * token) - 1   # a padding slot beside them (page size 1)
+    assert slots == (8737 if gib == 1 else 8_738_132)
+    assert sizes.full_max_total_num_tokens == (slots if capped else 100_000)
+    assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.25)
 
 
 def test_expansion_is_coarse_expand_raised_to_the_floor():
