@@ -87,7 +87,8 @@ DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_ste
           "upload_fresh_buffers",
           "decode_prepare_s", "index_build_s", "index_release_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "build_keys_s", "build_cluster_s", "build_load_s",
-          "extend_wait_s", "build_chunks", "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free")
+          "extend_wait_s", "build_chunks", "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free",
+          "hot_rows_hit", "hot_rows_loaded")   # the host tier's: selected (layer, KV head) rows found and loaded
 
 
 def write_shape(model_dir: str, name: str) -> str:
@@ -173,6 +174,8 @@ def serve_bench(srv: Server, dataset: list[str], prompts: int, concurrency: int,
     steps = out["plugin"].get("sparse_steps", 0) + out["plugin"].get("dense_steps", 0)
     if steps:
         out["host_ms_per_decode_step"] = round(1000 * out["plugin"]["decode_prepare_s"] / steps, 3)
+    if rows := out["plugin"].get("hot_rows_hit", 0) + out["plugin"].get("hot_rows_loaded", 0):
+        out["hot_hit_rate"] = round(out["plugin"]["hot_rows_hit"] / rows, 4)
     return out
 
 
