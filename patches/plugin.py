@@ -62,22 +62,22 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     surface.check_instance(configurator, surface.SWA_CONFIGURATOR_ATTRS, "HybridSWAPoolConfigurator")
     configurator._cell_size = charge_index_memory(configurator._cell_size, configurator, runner,
                                                   runner.model_config.num_hidden_layers)
-    if cfg.host_tier:
-        import psutil
+    if not cfg.host_tier:
+        return result
+    import psutil
 
-        from sgl_sparsekv.host_tier import host_budget
+    from sgl_sparsekv.host_tier import MAX_RUNNING, host_budget
+    from sgl_sparsekv.tier_rows import HotBuffers
 
-        # no more full slots than the host pool holds the sparse layers' KV of (read by reserve_index_cache)
-        budget = host_budget(cfg.host_memory_gb, psutil.virtual_memory().available)
-        configurator.sparse_kv_host_slots = budget // (configurator._swa_per_token * configurator._swa_layers_num)
-    if cfg.host_tier and str(runner.device) == "cpu":
-        # the CPU engine's KV pools live in host memory too: the host pool (every token of every windowed layer)
-        # is charged per full slot, as SGLang charges the windowed layers' device slots
-        configurator._cell_size += configurator._swa_per_token * configurator._swa_layers_num
-    elif cfg.host_tier:   # the decode's hot buffers, one set per request SGLang can run, are set aside on the device
-        from sgl_sparsekv.host_tier import MAX_RUNNING
-        from sgl_sparsekv.tier_rows import HotBuffers
-
+    host_per_slot = configurator._swa_per_token * configurator._swa_layers_num   # every windowed layer's KV
+    # no more full slots than the host pool holds (read by reserve_index_cache)
+    configurator.sparse_kv_host_slots = host_budget(cfg.host_memory_gb,
+                                                    psutil.virtual_memory().available) // host_per_slot
+    if str(runner.device) == "cpu":
+        # the CPU engine's KV pools live in host memory too: the host pool is charged per full slot, as SGLang
+        # charges the windowed layers' device slots
+        configurator._cell_size += host_per_slot
+    else:   # the decode's hot buffers, one set per request SGLang can run, are set aside on the device
         owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
         configurator.sparse_kv_reserved_bytes += HotBuffers.bytes_for(cfg, owners, configurator._swa_layers_num,
                                                                       configurator._swa_per_token)
