@@ -13,6 +13,14 @@ rows a selection misses come in runs of up to a chunk: one program copies one ru
 V) with a single wide load from host memory, instead of one DMA descriptor per run (IceCache's bulk loading). The
 device issues the reads, so the copy needs no host thread and can sit inside a CUDA graph beside the selection
 that decides it. ``bench/bench_host_copy.py`` measures it against copy-engine transfers.
+
+``stage_rows`` copies the rows a prefill's prefixes name, each once however many requests of the batch share it:
+
+    src_k, src_v   [rows, R] (rows contiguous)  a layer of the host pool, read through unified addressing
+    dst_k, dst_v   [rows, R]                    the device stage, by the same rows
+    slots [n] int64                             rows to copy, repeated where requests share a prefix
+    mark  [rows] int32, gen                     a row is copied by the program that first sets its mark to ``gen``
+-> dst[s] = src[s] for every s in slots
 """
 
 from __future__ import annotations
@@ -66,3 +74,37 @@ def copy_runs_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
     h, s, d = head[run], src[run] + i, dst[run] + i
     dst_k[h.to(dst_k.device), d.to(dst_k.device)] = src_k[h.to(src_k.device), s.to(src_k.device)].to(dst_k.device)
     dst_v[h.to(dst_v.device), d.to(dst_v.device)] = src_v[h.to(src_v.device), s.to(src_v.device)].to(dst_v.device)
+
+
+@triton.jit
+def _stage_rows_kernel(SrcK, SrcV, DstK, DstV, Slots, Mark, gen, R: tl.constexpr, BLOCK: tl.constexpr):
+    slot = tl.load(Slots + tl.program_id(0)).to(tl.int64)
+    if tl.atomic_xchg(Mark + slot, gen) != gen:   # the first of the batch's requests to name this row copies it
+        for off in tl.static_range(0, R, BLOCK):
+            o = off + tl.arange(0, BLOCK)
+            m = o < R
+            tl.store(DstK + slot * R + o, tl.load(SrcK + slot * R + o, mask=m), mask=m)
+            tl.store(DstV + slot * R + o, tl.load(SrcV + slot * R + o, mask=m), mask=m)
+
+
+def stage_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+               slots: torch.Tensor, mark: torch.Tensor, gen: int) -> None:
+    """Copy rows ``slots`` of K and V from ``src`` to ``dst`` (module docstring); ``gen`` must differ from every
+    value ``mark`` holds, so a caller counts it up and refills ``mark`` with -1 before it wraps."""
+    if slots.numel() == 0:
+        return
+    R = src_k[0].numel()
+    for t in (src_k, src_v, dst_k, dst_v):
+        assert t.is_contiguous() and t[0].numel() == R and t.shape[0] == mark.shape[0], t.shape
+    assert slots.dtype == torch.int64 and mark.dtype == torch.int32 and 0 <= gen < 2**31 - 1
+    _stage_rows_kernel[(slots.numel(),)](src_k, src_v, dst_k, dst_v, slots, mark, gen, R=R,
+                                         BLOCK=min(1024, triton.next_power_of_2(R)))
+
+
+def stage_rows_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                   slots: torch.Tensor, mark: torch.Tensor, gen: int) -> None:
+    """The kernel's torch twin: each row once."""
+    rows = slots.unique()
+    dst_k.index_copy_(0, rows, src_k.index_select(0, rows))
+    dst_v.index_copy_(0, rows, src_v.index_select(0, rows))
+    mark[rows] = gen

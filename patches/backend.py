@@ -21,6 +21,7 @@ import torch
 from sgl_sparsekv import request_control
 from sgl_sparsekv.chunking import BoundaryTable
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
+from sgl_sparsekv.host_tier import prefix_slots
 from sgl_sparsekv.kernels.page_table import PageTableWriter
 from sgl_sparsekv.manager import SparseKVManager
 from sgl_sparsekv.patches import surface
@@ -193,6 +194,7 @@ class SparseKVAttnBackend(AttentionBackend):
         self._big = None
         self.batch_reqs = None   # the requests of the batch being prepared, from note_batch_requests
         self.extend_rows = ([], [])   # the prefill's (request rows, prompt complete), for finish_extend
+        self.stage_slots = None   # the host tier: the full KV slots of the prefill batch's prefixes
         self.pooled = self.active = PooledDecode(self.manager, max_bs=64, q_heads=self.q_heads)
         if self.pooled.side is not None:
             join_after_forward(runner.model, self)
@@ -282,8 +284,10 @@ class SparseKVAttnBackend(AttentionBackend):
                 self.manager.stats.dense_steps += 1
             self.export_metrics()
         else:
-            self.manager.prepare_extend(rows, list(forward_batch.extend_prefix_lens_cpu), seq_lens, req_to_token,
-                                        tokens, budgets)
+            prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+            self.manager.prepare_extend(rows, prefix_lens, seq_lens, req_to_token, tokens, budgets)
+            if self.host is not None:   # what each sparse layer's prefill stages (forward_extend)
+                self.stage_slots = prefix_slots(req_to_token, rows, prefix_lens)
             # the prompt is complete when the batch reaches its last token (else a chunked prefill goes on)
             self.extend_rows = (rows, [t is not None and S == len(t) for t, S in zip(tokens, seq_lens)])
             self._maybe_log()
@@ -300,7 +304,12 @@ class SparseKVAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ per layer
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        staged = self.host is not None and self.host.holds(layer.layer_id)
+        if staged:   # the prefixes' rows of this layer over the bus once, for an attention that reads them per tile
+            self.host.stage(layer.layer_id, self.stage_slots)
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if staged:
+            self.host.unstage()
         if layer.layer_id == self.manager.num_layers - 1:
             self.manager.finish_extend(*self.extend_rows, self.req_to_token_pool.req_to_token,
                                        self.token_to_kv_pool.get_key_buffer)

@@ -69,6 +69,7 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     from sgl_sparsekv.host_tier import MAX_RUNNING, host_budget
     from sgl_sparsekv.tier_rows import HotBuffers
 
+    configurator._cell_size += configurator._swa_per_token   # the prefill's stage: one sparse layer, on the device
     host_per_slot = configurator._swa_per_token * configurator._swa_layers_num   # every windowed layer's KV
     # no more full slots than the host pool holds (read by reserve_index_cache)
     configurator.sparse_kv_host_slots = host_budget(cfg.host_memory_gb,

@@ -7,8 +7,10 @@ every token, one row per full KV slot: a row lives, is shared by requests over o
 exactly as SGLang's full slot is, so the tier needs no allocator or lifetime of its own. Every write to a sparse
 layer's SWA slot is copied to its row here (write-through), in the pool's stored dtype (fp8 KV stays fp8).
 
-The sparse layers' prefill, chunk keys and grafts read their KV here by full slot; their decode reads its own
-buffers, per decoding request the chunks it selected (loaded from here where missing) and a ring of its last tokens
+The sparse layers' chunk keys and grafts read their KV here by full slot; their prefill reads a device copy of
+one layer at a time, *staged* before the layer's attention: every row the batch's prefixes name is copied over at
+once, so the attention, which reads a prefix once per tile of queries, reads device memory rather than the bus. Their
+decode reads its own buffers, per decoding request the chunks it selected (loaded from here where missing) and a ring of its last tokens
 (``sgl_sparsekv/tier_rows.py``). On the CPU engine host and device memory are one. On a GPU the rows are pinned
 (registered with CUDA) and every reader and writer gets a CUDA tensor over them (:func:`mapped`): its kernels load
 and store host memory over the bus through unified addressing, so the readers of a sparse layer's KV (the wrapped
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from sgl_sparsekv.errors import ConfigError
+from sgl_sparsekv.kernels.host_copy import stage_rows, stage_rows_ref
+from sgl_sparsekv.transfer import to_device
 
 # requests the tier decodes at once: each holds its own hot buffers (sgl_sparsekv/tier_rows.py), allocated at startup
 # in the rows of the backend's decoder, which has 64 outside CUDA graphs (patches/backend.py)
@@ -36,6 +41,18 @@ def layer_pattern(dense_layers: int, num_layers: int) -> list[int]:
 def host_budget(host_memory_gb: float, available: int) -> int:
     """Bytes the host pool may take: ``host_memory_gb`` (config), else 90% of the ``available`` host memory."""
     return int(host_memory_gb * 2**30) if host_memory_gb else int(0.9 * available)
+
+
+def prefix_slots(req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int]) -> torch.Tensor:
+    """The full KV slots of a prefill batch's prefixes, what its attention reads besides its own tokens: the first
+    ``prefix_lens[i]`` positions of request row ``rows[i]``, int64 on ``req_to_token``'s device (no wait for it)."""
+    n = sum(prefix_lens)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=req_to_token.device)
+    base = np.repeat(np.asarray(rows, dtype=np.int64) * req_to_token.shape[1], prefix_lens)
+    pos = np.arange(n) - np.repeat(np.cumsum(prefix_lens) - prefix_lens, prefix_lens)
+    flat = to_device(torch.from_numpy(base + pos), req_to_token.device)
+    return req_to_token.view(-1).index_select(0, flat).to(torch.int64)
 
 
 class _Mapped:
@@ -91,6 +108,13 @@ class HostKV:
                                                                               mapped(self.v, device))
         if device.type == "cuda":
             weakref.finalize(self, _unpin, self.k, self.v)
+        # the prefill's device copy of one layer, by full slot (:meth:`stage`); on the CPU engine a copy too, so that
+        # both engines run one path
+        self.stage_k, self.stage_v = (torch.zeros(shape[1:], dtype=store_dtype, device=device) for _ in range(2))
+        self.staged = None   # the layer whose rows the stage holds while its prefill attention runs
+        self.mark = torch.full((rows,), -1, dtype=torch.int32, device=device)   # a row's last stage (stage_rows)
+        self.gen = -1
+        self._stage_rows = stage_rows if device.type == "cuda" else stage_rows_ref
 
     @staticmethod
     def bytes_for(layers: int, rows: int, heads: int, head_dim: int, itemsize: int) -> int:
@@ -100,6 +124,11 @@ class HostKV:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    @property
+    def stage_nbytes(self) -> int:
+        """Reader-device bytes of the prefill's stage: one sparse layer's KV per full slot."""
+        return self.stage_k.nbytes + self.stage_v.nbytes
+
     def holds(self, layer_id: int) -> bool:
         return layer_id in self.layer_of
 
@@ -108,15 +137,35 @@ class HostKV:
         stored dtype."""
         i = self.layer_of[layer_id]
         loc = loc.to(self.k_at.device, torch.int64)
-        self.k_at[i].index_copy_(0, loc, k_rows.to(self.k_at.device))
-        self.v_at[i].index_copy_(0, loc, v_rows.to(self.v_at.device))
+        k_rows, v_rows = k_rows.to(self.k_at.device), v_rows.to(self.v_at.device)
+        self.k_at[i].index_copy_(0, loc, k_rows)
+        self.v_at[i].index_copy_(0, loc, v_rows)
+        if self.staged == layer_id:   # the prefill's own tokens, which its attention may read back from the pool
+            self.stage_k.index_copy_(0, loc, k_rows)
+            self.stage_v.index_copy_(0, loc, v_rows)
+
+    def stage(self, layer_id: int, slots: torch.Tensor) -> None:
+        """Copy rows ``slots`` (full KV slots, int64 on the reader device, repeats allowed) of a sparse layer to the
+        stage, which its readers see until :meth:`unstage`; rows written meanwhile land there too. Stream-ordered:
+        the next layer's stage waits for this layer's attention like any kernel after it."""
+        if self.gen == 2**31 - 2:
+            self.mark.fill_(-1)
+            self.gen = -1
+        self.gen += 1
+        i = self.layer_of[layer_id]
+        self._stage_rows(self.k_at[i], self.v_at[i], self.stage_k, self.stage_v, slots, self.mark, self.gen)
+        self.staged = layer_id
+
+    def unstage(self) -> None:
+        self.staged = None
 
     def key_buffer(self, layer_id: int) -> torch.Tensor:
-        """A sparse layer's keys by full KV slot, as the device pool's readers see them."""
-        return self._view(self.k_at[self.layer_of[layer_id]])
+        """A sparse layer's keys by full KV slot, as the device pool's readers see them (the stage while it holds
+        the layer: only the rows staged and written since are valid there)."""
+        return self._view(self.stage_k if self.staged == layer_id else self.k_at[self.layer_of[layer_id]])
 
     def value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self._view(self.v_at[self.layer_of[layer_id]])
+        return self._view(self.stage_v if self.staged == layer_id else self.v_at[self.layer_of[layer_id]])
 
     def _view(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.dtype == self.dtype else t.view(self.dtype)

@@ -387,10 +387,10 @@ def test_index_cache_is_set_aside_before_the_kv_pool(monkeypatch, method):
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])
 def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
-    """With the host tier, SGLang's hybrid configurator is charged per full KV slot for the index pools and, on the
-    CPU engine, for the host pool (host and device memory are one); on a GPU the hot buffers, one set per request
-    SGLang can run, are set aside before the pools are sized, as many bytes as the decoders allocate (the H100 run's
-    hot_buffer_bytes for the Llama-3.1-8B shape: 19,126,026,240)."""
+    """With the host tier, SGLang's hybrid configurator is charged per full KV slot for the index pools, the
+    prefill's stage (one sparse layer) and, on the CPU engine, the host pool (host and device memory are one); on a
+    GPU the hot buffers, one set per request SGLang can run, are set aside before the pools are sized, as many bytes
+    as the decoders allocate (the H100 run's hot_buffer_bytes for the Llama-3.1-8B shape: 19,126,026,240)."""
     import sglang.srt.layers.dp_attention as dp
     from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
 
@@ -412,10 +412,10 @@ def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
     index = bytes_per_token(cfg, 32, 8, 128)
     if device == "cuda":
         assert conf.sparse_kv_reserved_bytes - CACHE_BYTES == 19_126_026_240
-        assert conf._cell_size == cell + index
+        assert conf._cell_size == cell + index + token
     else:
         assert conf.sparse_kv_reserved_bytes == CACHE_BYTES
-        assert conf._cell_size == cell + index + 30 * token
+        assert conf._cell_size == cell + index + token + 30 * token
 
 
 @pytest.mark.parametrize("gib, capped", [(1, True), (1000, False)])

@@ -1,11 +1,12 @@
 """kernels/host_copy.py: runs of K/V rows copied into device rows, against the torch twin. On the CPU (interpreter)
 at small shapes; on the GPU from a pinned host pool through unified addressing, at Llama-3.1-8B's head shape, in
-both layouts (head-major, and SGLang's [slots, heads, D]), launched eagerly and replayed from a CUDA graph."""
+both layouts (head-major, and SGLang's [slots, heads, D]), launched eagerly and replayed from a CUDA graph. The
+prefill's stage (``stage_rows``): each named row once, where requests share a prefix."""
 
 import pytest
 import torch
 
-from sgl_sparsekv.kernels.host_copy import RUN_MAX, copy_runs, copy_runs_ref
+from sgl_sparsekv.kernels.host_copy import RUN_MAX, copy_runs, copy_runs_ref, stage_rows, stage_rows_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,3 +97,42 @@ def test_copy_runs_replays_from_a_cuda_graph_with_new_runs():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
+
+
+def check_stage(rows, heads, D, n, dtype, host=False, seed=0, gens=(0, 1, 2)):
+    """Slots drawn with many repeats (prefixes shared by a batch's requests), staged over several generations into
+    a stage that already holds rows of earlier layers: the kernel's stage equals its twin's, every named row equals
+    the source and every other row is as it was."""
+    gen = torch.Generator().manual_seed(seed)
+    src_k, src_v = (torch.randn(rows, heads, D, generator=gen).to(dtype) for _ in range(2))
+    if host:
+        src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
+    else:
+        src_k, src_v = src_k.to(DEV), src_v.to(DEV)
+    stage_k, stage_v = (torch.randn(rows, heads, D, generator=gen).to(dtype).to(DEV) for _ in range(2))
+    want_k, want_v = stage_k.clone(), stage_v.clone()
+    mark, want_mark = (torch.full((rows,), -1, dtype=torch.int32, device=DEV) for _ in range(2))
+    for g in gens:
+        shared = torch.randint(rows, (n // 2,), generator=gen)
+        slots = torch.cat([shared, shared[:n // 4], torch.randint(rows, (n - n // 2 - n // 4,), generator=gen)])
+        slots = slots[torch.randperm(n, generator=gen)].to(DEV)
+        src_k.add_(1)   # a new layer's rows
+        before = stage_k.clone()
+        stage_rows_ref(src_k.to(DEV), src_v.to(DEV), want_k, want_v, slots, want_mark, g)
+        stage_rows(src_k, src_v, stage_k, stage_v, slots, mark, g)
+        assert torch.equal(stage_k, want_k) and torch.equal(stage_v, want_v) and torch.equal(mark, want_mark)
+        named = torch.zeros(rows, dtype=torch.bool, device=DEV)
+        named[slots] = True
+        assert torch.equal(stage_k[named], src_k.to(DEV)[named]) and torch.equal(stage_k[~named], before[~named])
+
+
+def test_stage_rows_small():
+    """Rows of 2 heads x 40 (a masked tail), and a row longer than one block (2 x 640, two blocks of 1024)."""
+    check_stage(rows=300, heads=2, D=40, n=200, dtype=torch.float32)
+    check_stage(rows=64, heads=2, D=640, n=50, dtype=torch.bfloat16, seed=1)
+
+
+@pytest.mark.gpu
+def test_stage_rows_from_pinned_host_memory():
+    """Llama-3.1-8B's KV heads in bf16 from a pinned pool of 64K rows: 100K slots, half of them repeats."""
+    check_stage(rows=65_536, heads=8, D=128, n=100_000, dtype=torch.bfloat16, host=True)

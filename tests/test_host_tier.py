@@ -4,7 +4,7 @@ hybrid pools is served in tests/test_e2e_server.py and under load in tests/test_
 import pytest
 import torch
 
-from sgl_sparsekv.host_tier import HostKV, layer_pattern
+from sgl_sparsekv.host_tier import HostKV, layer_pattern, prefix_slots
 
 
 def test_rows_hold_the_last_write_of_each_slot():
@@ -37,6 +37,40 @@ def test_fp8_rows_stay_bytes_and_read_as_fp8():
     keys = host.key_buffer(2)
     assert keys.dtype == torch.float8_e4m3fn
     assert torch.equal(keys[[5, 1, 7]].view(torch.uint8), k.view(torch.uint8))
+
+
+def test_prefix_slots_are_each_rows_first_positions():
+    g = torch.Generator().manual_seed(0)
+    req_to_token = torch.randint(0, 1000, (6, 50), generator=g, dtype=torch.int32)
+    rows, lens = [4, 1, 4, 0], [7, 0, 50, 3]
+    want = torch.cat([req_to_token[r, :n] for r, n in zip(rows, lens)]).to(torch.int64)
+    assert torch.equal(prefix_slots(req_to_token, rows, lens), want)
+    assert prefix_slots(req_to_token, [2], [0]).numel() == 0
+
+
+def test_stage_serves_a_layers_readers_until_unstaged():
+    """While a layer is staged its readers see the stage: the staged rows as the host holds them and the rows
+    written since (in the stage and the host alike); other layers and, after unstage, every reader see the host."""
+    g = torch.Generator().manual_seed(1)
+    rows, heads, d = 40, 2, 4
+    host = HostKV([1, 2], rows, heads, d, torch.float32, torch.float32)
+    for lid in (1, 2):
+        host.write(lid, torch.arange(rows), torch.randn(rows, heads, d, generator=g), torch.randn(rows, heads, d,
+                                                                                                   generator=g))
+    prefix = torch.tensor([3, 9, 3, 30, 9], dtype=torch.int64)
+    host.stage(2, prefix)
+    assert host.key_buffer(2).data_ptr() == host.stage_k.data_ptr()
+    assert host.key_buffer(1).data_ptr() != host.stage_k.data_ptr()
+    new = torch.tensor([11, 12])
+    k, v = torch.randn(2, heads, d, generator=g), torch.randn(2, heads, d, generator=g)
+    host.write(2, new, k, v)
+    for slot in (3, 9, 30, 11, 12):
+        assert torch.equal(host.key_buffer(2)[slot], host.k[1][slot])
+        assert torch.equal(host.value_buffer(2)[slot], host.v[1][slot])
+    assert torch.equal(host.k[1][new], k) and host.staged == 2
+    host.unstage()
+    assert host.key_buffer(2).data_ptr() == host.k[1].data_ptr()
+    assert host.stage_nbytes == 2 * rows * heads * d * 4
 
 
 @pytest.mark.parametrize("dense, layers", [(2, 30), (1, 2)])
