@@ -168,7 +168,7 @@ class SparseKVAttnBackend(AttentionBackend):
             from sgl_sparsekv.patches import host_tier
 
             self.host = host_tier.install(pool, cfg, runner.model_config.num_hidden_layers,
-                                          psutil.virtual_memory().available)
+                                          psutil.virtual_memory().available, runner.server_args.chunked_prefill_size or 0)
         start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")

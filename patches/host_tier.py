@@ -14,7 +14,7 @@ import json
 import logging
 
 from sgl_sparsekv.config import ConfigError, SparseKVConfig
-from sgl_sparsekv.host_tier import HostKV, layer_pattern
+from sgl_sparsekv.host_tier import HostKV, host_budget, host_reserve, layer_pattern, window_requests
 from sgl_sparsekv.patches import surface
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, unwrap_write_loc
 from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
@@ -47,10 +47,11 @@ def add_model_overrides(server_args, cfg: SparseKVConfig, num_layers: int | None
     server_args.json_model_override_args = json.dumps({**given, **ours})
 
 
-def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) -> HostKV:
+def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, chunk: int) -> HostKV:
     """Give ``pool`` (SGLang's SWAKVPool) a host pool for its sparse layers: writes go through to it, and those
     layers' key and value buffers become the host pool's (by full KV slot). Refuses with one line what cannot
-    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``."""
+    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``. ``chunk``: SGLang's chunked prefill size
+    (the log says how many requests the window pool holds)."""
     if not isinstance(pool, SWAKVPool):
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs SGLang's hybrid sliding-window KV pool, got "
                           f"{type(pool).__name__}")
@@ -65,14 +66,15 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs the token-major KV layout [slots, heads, dim]")
     rows = full.k_buffer[0].shape[0]
     need = HostKV.bytes_for(len(sparse), rows, k0.shape[1], k0.shape[2], k0.element_size())
-    if cfg.host_memory_gb * 2**30 > available_bytes:
-        raise ConfigError(f"--sparse-kv {cfg.method}: host_memory_gb ({cfg.host_memory_gb:g}) is more than the "
-                          f"{available_bytes / 2**30:.2f} GiB of host memory available")
-    limit = int(cfg.host_memory_gb * 2**30) or available_bytes
+    reserve = host_reserve(k0.device)
+    budget = host_budget(cfg.host_memory_gb, available_bytes, reserve)   # refuses a size over what is available
+    # the plan took its slots from the memory available then: the default's 90% is not taken again of what is left
+    limit = budget if cfg.host_memory_gb else available_bytes - reserve
     if need > limit:
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs {need / 2**30:.2f} GiB of host memory for the "
                           f"sparse layers' KV of {rows} tokens, {limit / 2**30:.2f} GiB is "
-                          f"{'host_memory_gb' if cfg.host_memory_gb else 'available'}; lower --max-total-tokens")
+                          f"{'host_memory_gb' if cfg.host_memory_gb else 'available beside the server'}; lower "
+                          "--max-total-tokens")
     try:
         host = HostKV(sparse, rows, k0.shape[1], k0.shape[2], swa.store_dtype, swa.dtype, device=k0.device)
     except RuntimeError as e:
@@ -101,8 +103,9 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int) ->
     pool.set_kv_buffer, pool.get_key_buffer, pool.get_value_buffer = set_kv_buffer, get_key_buffer, get_value_buffer
     pool.get_kv_buffer = lambda layer_id: (get_key_buffer(layer_id), get_value_buffer(layer_id))
     logger.info("sparse-kv: host tier of %.2f GiB for %d sparse layers x %d tokens; the device keeps their last %d "
-                "tokens per request (%d window slots)", host.nbytes / 2**30, len(sparse), rows, cfg.host_window,
-                swa.size)
+                "tokens per request (%d window slots: room for %d requests, each also holding its last prefill chunk "
+                "of up to %d tokens there; --swa-full-tokens-ratio sizes them)", host.nbytes / 2**30, len(sparse),
+                rows, cfg.host_window, swa.size, window_requests(swa.size, cfg.host_window, chunk), chunk)
     return host
 
 

@@ -66,14 +66,14 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
         return result
     import psutil
 
-    from sgl_sparsekv.host_tier import MAX_RUNNING, host_budget
+    from sgl_sparsekv.host_tier import MAX_RUNNING, host_budget, host_reserve
     from sgl_sparsekv.tier_rows import HotBuffers
 
     configurator._cell_size += configurator._swa_per_token   # the prefill's stage: one sparse layer, on the device
     host_per_slot = configurator._swa_per_token * configurator._swa_layers_num   # every windowed layer's KV
     # no more full slots than the host pool holds (read by reserve_index_cache)
-    configurator.sparse_kv_host_slots = host_budget(cfg.host_memory_gb,
-                                                    psutil.virtual_memory().available) // host_per_slot
+    configurator.sparse_kv_host_slots = host_budget(cfg.host_memory_gb, psutil.virtual_memory().available,
+                                                    host_reserve(runner.device)) // host_per_slot
     if str(runner.device) == "cpu":
         # the CPU engine's KV pools live in host memory too: the host pool is charged per full slot, as SGLang
         # charges the windowed layers' device slots

@@ -74,7 +74,7 @@ SERVER_ARGS_FIELDS = ("speculative_algorithm", "enable_mixed_chunk", "enable_two
                       "attention_backend", "prefill_attention_backend", "decode_attention_backend",
                       "kv_cache_dtype", "is_embedding", "cuda_graph_config", "device", "tp_size", "model_path",
                       "trust_remote_code", "revision", "tokenizer_path", "tokenizer_mode", "served_model_name",
-                      "enable_metrics", "max_running_requests")
+                      "enable_metrics", "max_running_requests", "chunked_prefill_size")
 # ServerArgs.cuda_graph_config: a phase's graphs are off where its backend is "disabled"
 GRAPH_CONFIG = "sglang.srt.model_executor.cuda_graph_config.CudaGraphConfig"
 GRAPH_CONFIG_FIELDS = ("decode", "prefill")

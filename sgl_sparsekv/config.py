@@ -93,8 +93,9 @@ class SparseKVConfig:
     # On a GPU the host pool is registered host memory that the kernels read over the bus.
     host_tier: bool = False
     host_window: int = 1024
-    # The host pool's size in GiB (0: 90% of the host memory available at startup). SGLang's memory plan gives the
-    # KV pool no more slots than the sparse layers' KV of every slot can fill here.
+    # The host pool's size in GiB (0: 90% of the host memory available at startup beyond what the rest of the server
+    # keeps, host_tier.HOST_RESERVE_BYTES). SGLang's memory plan gives the KV pool no more slots than the sparse
+    # layers' KV of every slot can fill here.
     host_memory_gb: float = 0.0
     # --- quest ---
     page_size: int = 16

@@ -38,9 +38,34 @@ def layer_pattern(dense_layers: int, num_layers: int) -> list[int]:
     return [0] * dense_layers + [1] * (num_layers - dense_layers)
 
 
-def host_budget(host_memory_gb: float, available: int) -> int:
-    """Bytes the host pool may take: ``host_memory_gb`` (config), else 90% of the ``available`` host memory."""
-    return int(host_memory_gb * 2**30) if host_memory_gb else int(0.9 * available)
+# Host memory a GPU server keeps beside the host pool. On one H100 host (Llama-3.1-8B shape, 8 decode graphs, 125 GB)
+# the server's processes used 27 GiB more than an 80 GiB pool at their peak, and a 96 GiB pool, with 114 GiB free at
+# startup, was killed by the kernel mid-serving (bench/results/gpu_serving_h100_capacity32.json). SGLang's HiCache
+# keeps 10 GiB aside for the same reason. On the CPU engine SGLang's own plan already counts the host as its device.
+HOST_RESERVE_BYTES = 32 * 2**30
+
+
+def host_budget(host_memory_gb: float, available: int, reserve: int) -> int:
+    """Bytes the host pool may take: ``host_memory_gb`` (config), else 90% of the ``available`` host memory beyond
+    ``reserve`` (what the rest of the server needs). Raises ConfigError (one line) for a size over that."""
+    room = max(0, available - reserve)
+    if host_memory_gb * 2**30 > room:
+        raise ConfigError(f"host_tier: host_memory_gb ({host_memory_gb:g}) is more than the {room / 2**30:.2f} GiB "
+                          f"of host memory available beyond the {reserve / 2**30:g} GiB the rest of the server needs")
+    return int(host_memory_gb * 2**30) if host_memory_gb else int(0.9 * room)
+
+
+def window_requests(window_slots: int, host_window: int, chunk: int) -> int:
+    """Requests whose windows SGLang's window pool holds at once. Besides its last ``host_window`` tokens a request
+    keeps there the last chunk of its prefill (up to ``chunk``: ``--chunked-prefill-size``) until it ends, since the
+    radix tree locks a request's window by whole nodes and a prefill inserts one node a chunk; a request that finds
+    too little room waits (with chunks of 8,192, 11 requests of 32K prompts filled 83,885 window slots on an H100)."""
+    return window_slots // (host_window + max(chunk, 0))
+
+
+def host_reserve(device) -> int:
+    """``HOST_RESERVE_BYTES`` beside a GPU; nothing on the CPU engine, whose plan sizes its pools from host memory."""
+    return 0 if torch.device(device).type == "cpu" else HOST_RESERVE_BYTES
 
 
 def prefix_slots(req_to_token: torch.Tensor, rows: list[int], prefix_lens: list[int]) -> torch.Tensor:

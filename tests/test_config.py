@@ -6,6 +6,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
@@ -428,6 +429,7 @@ def test_host_tier_kv_slots_are_capped_by_the_host_pool(monkeypatch, gib, capped
     from sgl_sparsekv.patches.plugin import charge_index_memory_swa, reserve_index_cache
 
     monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2000 * 2**30))   # a big host
     cfg = SparseKVConfig.from_method("lychee", {"host_tier": True, "host_memory_gb": float(gib)})
     mc = SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128, num_hidden_layers=32)
     runner = SimpleNamespace(server_args=SimpleNamespace(sparse_kv_config=cfg.to_dict(), max_running_requests=8),

@@ -4,7 +4,9 @@ hybrid pools is served in tests/test_e2e_server.py and under load in tests/test_
 import pytest
 import torch
 
-from sgl_sparsekv.host_tier import HostKV, layer_pattern, prefix_slots
+from sgl_sparsekv.config import ConfigError
+from sgl_sparsekv.host_tier import (HOST_RESERVE_BYTES, HostKV, host_budget, host_reserve, layer_pattern, prefix_slots,
+                                   window_requests)
 
 
 def test_rows_hold_the_last_write_of_each_slot():
@@ -71,6 +73,28 @@ def test_stage_serves_a_layers_readers_until_unstaged():
     host.unstage()
     assert host.key_buffer(2).data_ptr() == host.k[1].data_ptr()
     assert host.stage_nbytes == 2 * rows * heads * d * 4
+
+
+def test_host_budget_leaves_the_reserve_to_the_rest_of_the_server():
+    """Beside a GPU the pool takes 90% of what is available beyond the reserve, or host_memory_gb where that fits in
+    it; a size over it is refused in one line (a 96 GiB pool on a host with 114 GiB free was killed mid-serving)."""
+    gib = 2**30
+    assert host_reserve("cuda:0") == HOST_RESERVE_BYTES and host_reserve("cpu") == 0
+    assert host_budget(0, 114 * gib, HOST_RESERVE_BYTES) == int(0.9 * (114 * gib - HOST_RESERVE_BYTES))
+    assert host_budget(80, 114 * gib, HOST_RESERVE_BYTES) == 80 * gib
+    with pytest.raises(ConfigError, match=r"host_memory_gb \(96\) is more than the 82.00 GiB of host memory available "
+                                          r"beyond the 32 GiB the rest of the server needs"):
+        host_budget(96, 114 * gib, HOST_RESERVE_BYTES)
+    assert host_budget(0, 20 * gib, 0) == int(0.9 * 20 * gib)   # the CPU engine: its plan counts the host already
+    assert host_budget(0, 20 * gib, HOST_RESERVE_BYTES) == 0
+
+
+def test_window_requests_count_each_requests_last_prefill_chunk():
+    """The window pool of the H100 capacity run (83,885 slots, window 1024, chunks of 8,192) holds 9 requests at
+    worst (it ran 11, their last chunks shorter); with 2,048-token chunks 27; without chunking the window alone."""
+    assert window_requests(83885, 1024, 8192) == 9
+    assert window_requests(83885, 1024, 2048) == 27
+    assert window_requests(83885, 1024, 0) == 81
 
 
 @pytest.mark.parametrize("dense, layers", [(2, 30), (1, 2)])
