@@ -51,7 +51,7 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            "lychee-expand-32": ("lychee", {"coarse_expand": 32.0, "coarse_expand_min": 0}),
            "lychee-expand-16": ("lychee", {"coarse_expand": 16.0, "coarse_expand_min": 0}),
            # every coarse unit of a 30K prompt expanded at every budget: the default since its coarse_expand_min
-           # (f7d1b88) on prompts up to 30000 tokens, and before it at budgets from 1024 up (bench.targets.STAND_IN)
+           # (f7d1b88) on prompts up to 30000 tokens, and before it at budgets from 1024 up (docs.tables.targets.STAND_IN)
            "lychee-flat": ("lychee", {"coarse_expand": 1024.0}),
            # two-stage selection: twice the budget's candidates, the budget's best by the group's attention kept
            "lychee-rerank-2": ("lychee", {"rerank_factor": 2}),

@@ -45,7 +45,8 @@ COMMON = ["--load-format", "dummy", "--grammar-backend", "none", "--sampling-bac
           "--context-length", "131072"]
 KEEP = ("completed", "output_throughput", "median_tpot_ms", "mean_tpot_ms", "median_itl_ms", "mean_ttft_ms",
         "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_e2e_latency_ms")
-WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_c32", "capacity32", "capacity126")
+WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_c32", "capacity32", "capacity32_2k",
+             "capacity126")
 # lychee's served variants: config beside the budget. lychee-hybrid-*: hybrid heads with staggered roles (dummy
 # weights have no attention to calibrate on; every layer keeps some retrieval heads, so no layer skips selection);
 # lychee-fine-2: two chunks per fine cluster, the paper's default and ours up to 560e8bf (half the fine clusters to
@@ -88,7 +89,8 @@ DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_ste
           "decode_prepare_s", "index_build_s", "index_release_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "build_keys_s", "build_cluster_s", "build_load_s",
           "extend_wait_s", "build_chunks", "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free",
-          "hot_rows_hit", "hot_rows_loaded")   # the host tier's: selected (layer, KV head) rows found and loaded
+          # the host tier's: selected (layer, KV head) rows found and loaded, and the bytes loaded
+          "hot_rows_hit", "hot_rows_loaded", "host_to_device_bytes")
 
 
 def write_shape(model_dir: str, name: str) -> str:
@@ -219,8 +221,10 @@ def measure(srv: Server, a, name: str, out: dict, save) -> dict:
                  "shared": SHARED,
                  "shared64_c16": (shared_prefix(32), 64, 16),
                  "shared64_c32": (shared_prefix(32), 64, 32),
-                 # issue #93's capacity workloads: more long requests than dense's KV pool holds at once
+                 # issue #93's capacity workloads: more long requests than dense's KV pool holds at once; at 256
+                 # out the prefills take most of dense's time (docs/HOST_TIER.md), at 2K the decode does
                  "capacity32": (random_ids(32768, 256, 32), 32, 32),
+                 "capacity32_2k": (random_ids(32768, 2048, 32), 32, 32),
                  "capacity126": (random_ids(126976, 256, 8), 8, 8)}
     for w in a.workloads:
         dataset, prompts, conc = workloads[w]
@@ -259,7 +263,7 @@ def tpot_ratios(dense: dict, sparse: dict) -> dict:
 # lychee over dense per workload, stored under these keys
 RATIO_KEYS = {"shared": "shared_prefix", "random": "random_ids", "random64": "random64", "mixed": "mixed",
               "shared64_c16": "shared64_c16", "shared64_c32": "shared64_c32", "capacity32": "capacity32",
-              "capacity126": "capacity126"}
+              "capacity32_2k": "capacity32_2k", "capacity126": "capacity126"}
 SUMMARY = ("greedy_equal_within_budget", "greedy_past_budget_same_tokens", "tpot_ratio_lychee_over_dense",
            *RATIO_KEYS.values())
 

@@ -12,7 +12,7 @@
 #    further bench.fidelity flags say otherwise; carry .gpu-bundle and .gpu-model/whl, after earlier calls brought the
 #    model's parts to /tmp/gpu-model; CALL_S, the call's timeout_s (600 unless set), sets when the samples stop, 60 s
 #    before it: each run keeps the seeds every task finished, where a run the call's limit cuts returns nothing; a
-#    METHOD@BUDGET:SEED word serves the rest of a run cut at SEED (`python -m bench.frontier --missing 30K` names
+#    METHOD@BUDGET:SEED word serves the rest of a run cut at SEED (`python -m docs.tables.frontier --missing 30K` names
 #    them), so one call can finish runs cut at different seeds; AFTER="NAME..." (earlier calls' names on this machine)
 #    starts each cell where those calls stopped it, so calls sent in one batch continue one another without a pause
 #    between them (the machine is released after 30 s idle); on a fresh machine, where the model is converted and

@@ -150,6 +150,11 @@ class HostKV:
         return self.k.nbytes + self.v.nbytes
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one (layer, KV head, token) row, key and value: what the hot buffers load per row they miss."""
+        return 2 * self.k.shape[-1] * self.k.element_size()
+
+    @property
     def stage_nbytes(self) -> int:
         """Reader-device bytes of the prefill's stage: one sparse layer's KV per full slot."""
         return self.stage_k.nbytes + self.stage_v.nbytes

@@ -91,6 +91,7 @@ GAUGES = {
     "hot_rows_hit": "Token rows of selected chunks a decode step found in the hot buffers, summed over sparse layers "
                     "and KV heads (host_tier).",
     "hot_rows_loaded": "Token rows of selected chunks loaded from the host pool (host_tier).",
+    "host_to_device_bytes": "Bytes those loads moved from the host pool to the device, keys and values (host_tier).",
     "hot_chunks_dropped": "Selected chunks a token list left out, past the hot slots of its request (host_tier).",
 }
 # what Prometheus exports, by snapshot key: its help text

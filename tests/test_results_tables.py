@@ -1,21 +1,21 @@
-"""The generated tables in the README and docs/RESULTS.md are what bench.report makes of the committed results:
-a result committed without `python -m bench.update_readme` (or a table edited by hand) fails here."""
+"""The generated tables in the README and docs/RESULTS.md are what docs/tables makes of the committed results:
+a result committed without `python -m docs.tables` (or a table edited by hand) fails here."""
 
 import pytest
 
-from bench.update_readme import ROOT, TARGETS, block, tables
+from docs.tables.__main__ import BLOCKS, ROOT, block
 
 
-@pytest.mark.parametrize("path,marker,args", TARGETS)
-def test_generated_tables_match_the_committed_results(path, marker, args):
+@pytest.mark.parametrize("path,marker,make", BLOCKS, ids=[m for _, m, _ in BLOCKS])
+def test_generated_tables_match_the_committed_results(path, marker, make):
     found = block(marker).search((ROOT / path).read_text())
     assert found, f"{path} lacks its {marker} markers"
-    assert found.group(1) == tables(args), f"{path}: run `python -m bench.update_readme`"
+    assert found.group(1) == make(), f"{path}: run `python -m docs.tables`"
 
 
 def test_a_task_is_worse_than_dense_only_beyond_chance():
     """#11's per-task rule: dense ahead on a task by the exact sign test (p < 0.05), not by a count alone."""
-    from bench.targets import tasks_worse
+    from docs.tables.targets import tasks_worse
 
     def run(failed):
         return {"counts": {f"{t}@16000": {"correct": 50 - len(f), "n": 50, "failed": f} for t, f in failed.items()}}
@@ -32,7 +32,7 @@ def test_a_task_is_worse_than_dense_only_beyond_chance():
 
 def test_every_glance_row_fills_every_option():
     """A row of the at-a-glance table names its label and one cell per option, none empty."""
-    from bench.glance import COLUMNS, ROWS
+    from docs.tables.glance import COLUMNS, ROWS
 
     for row in ROWS:
         cells = row()
@@ -40,14 +40,14 @@ def test_every_glance_row_fills_every_option():
 
 
 def test_frontier_takes_each_points_latest_run_across_files(monkeypatch):
-    """bench.frontier: per (option, budget), the run of the later commit whichever file holds it, over runs that
+    """docs.tables.frontier: per (option, budget), the run of the later commit whichever file holds it, over runs that
     scored every cell asked with 50 samples; other methods and short runs are left out."""
-    import bench.frontier
-    from bench.frontier import latest
+    import docs.tables.frontier
+    from docs.tables.frontier import latest
 
     # commit times as git gives them (b432e23 on 2026-11-26, 516fbe5 on 2026-12-02), whatever this clone's depth
     times = {"b432e23": 1764190219, "516fbe5": 1764678685, "753310e": 1764100000}
-    monkeypatch.setattr(bench.frontier, "committed_at", times.__getitem__)
+    monkeypatch.setattr(docs.tables.frontier, "committed_at", times.__getitem__)
 
     def run(method, budget, commit, correct, n=50, cells=("json_value@16000",)):
         return {"method": method, "budget": budget, "commit": commit,
@@ -63,37 +63,26 @@ def test_frontier_takes_each_points_latest_run_across_files(monkeypatch):
     assert latest(first, second, cells={"json_value@16000"}, samples=20) == {("quest", 1024): (5, "b432e23")}
 
 
-def test_step_profile_table_shows_the_overlap_columns_only_where_a_profile_has_them(tmp_path, monkeypatch):
-    import json
+def test_the_index_lists_every_result_with_its_card_and_commits():
+    """docs/RESULTS.md's index: one row per committed result file, its card and commits read from the file itself
+    (top level and runs), "-" where the file records none."""
+    from docs.tables.runs import RESULTS, index_table, result_meta
 
-    from bench import report
-
-    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
-    step = {"period": 7.3, "matmul": 4.4, "selection": 4.3, "steps": 38}
-    r = {"device": "NVIDIA H200", "gpu": "GPU-0", "model": "m", "commit": "c", "what": "w",
-         "settings": {"backend": "flashinfer", "budget": 1024, "methods": ["old", "new"]},
-         "old": step, "new": dict(step, selection_busy=5.0, others_busy=6.0, selection_beside_others=3.5,
-                                  selection_tail=0.4, others_waited=0.9, others_waited_behind_selection=0.6)}
-    (tmp_path / "results").mkdir()
-    path = tmp_path / "results" / "p.json"
-    path.write_text(json.dumps(r))
-    lines = report.step_profile_table(path).splitlines()
-    header = next(line for line in lines if line.startswith("| method"))
-    assert header.endswith("| selection after the rest | the rest waited | of it behind a selection | steps |")
-    assert "| old | 7.30 | - | 4.40 |" in "\n".join(lines)
-    assert next(line for line in lines if line.startswith("| new")).endswith("| 0.40 | 0.90 | 0.60 | 38 |")
-    path.write_text(json.dumps(dict(r, settings=dict(r["settings"], methods=["old"]))))
-    assert "selection running" not in report.step_profile_table(path)
+    assert result_meta({"device": "NVIDIA H100 80GB HBM3", "runs": [{"commit": "b"}, {"commit": "a", "device": "CPU"}]}
+                       ) == ("CPU, H100 80GB HBM3", "a, b")
+    assert result_meta({"what": "a probe"}) == ("-", "-") and result_meta([1, 2]) == ("-", "-")
+    rows = [line for line in index_table().splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == sorted(p.name for p in RESULTS.glob("*.json"))
 
 
 def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(monkeypatch):
-    """bench.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
+    """docs.tables.frontier's sweep table: per (method, budget) the ten-task run with the most samples per task (of equal
     ones the later recorded); lychee against Quest counted on the seeds both served, and left out for a lychee run
     of older defaults; quest-graphs stands in for Quest where Quest has no run or a shorter one, and is set beside it
     on the seeds both served; lychee-flat stands in for lychee, and a run of current defaults comes before one of
     older defaults however many seeds it has."""
-    import bench.frontier as fr
-    import bench.targets
+    import docs.tables.frontier as fr
+    import docs.tables.targets
 
     tasks = [f"t{i}@8000" for i in range(10)]
 
@@ -111,7 +100,7 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     best = fr.best_runs(runs)
     assert best["lychee", 1024]["commit"] == "newest" and best["quest", 1024]["commit"] == "new"
     monkeypatch.setattr(fr, "load", lambda name: {"runs": runs})
-    monkeypatch.setattr(bench.targets, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5,
+    monkeypatch.setattr(docs.tables.targets, "committed_at", {"old": 1, "2815376": 2, "new": 3, "newer": 4, "newest": 5,
                                                         "f7d1b88": 2}.__getitem__)
     lines = fr.sweep_table("8K").splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
@@ -135,10 +124,10 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
 
 
 def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_edge(monkeypatch):
-    """bench.targets.near_dense: dense and lychee served again together; the earlier pair missed (a task lost beyond
+    """docs.tables.targets.near_dense: dense and lychee served again together; the earlier pair missed (a task lost beyond
     chance) and the latest meets: the row says both. Served once, or both runs agreeing, it is a plain verdict; a
     lychee run from another call than dense's gets none."""
-    import bench.targets as tg
+    import docs.tables.targets as tg
 
     tasks = [f"t{i}@16000" for i in range(10)]
 
@@ -161,7 +150,7 @@ def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_
 
 
 def test_a_test_split_verdict_reads_dense_lychee_and_quest_of_one_call_on_their_shared_seeds():
-    from bench.targets import one_call
+    from docs.tables.targets import one_call
 
     def run(method, commit, failed, n):
         return {"method": method, "budget": None if method == "off" else 1024, "commit": commit, "gpu": "GPU-a",
