@@ -61,10 +61,13 @@ WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_
 # window pool at their defaults: the sparse layers' device pool holds 0.8 of the full pool's tokens, so this measures
 # the tier's decode at the batch plain lychee runs, not its capacity); lychee-tier-every-k: the tier selecting every k
 # decode steps (loads only at those steps); lychee-tier-capacity: the tier sized for capacity (docs/HOST_TIER.md,
-# "Capacity model"): a host pool of 80 GiB (96 was killed for host memory on the lent H100, 128 GiB in all) and a window pool of a tenth of the full one (VARIANT_ARGS)
+# "Capacity model"): a host pool of 80 GiB (96 was killed for host memory on the lent H100, 128 GiB in all) and a
+# window pool of a tenth of the full one (VARIANT_ARGS); -2k: prefill chunks of 2,048, so that a running request
+# keeps at most 3K window slots (host_tier.window_requests), and a window pool that holds 32 such requests
 VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             **{f"lychee-tier-every-{k}": {"host_tier": True, "select_every": k} for k in (4, 8)},
-            "lychee-tier-capacity": {"host_tier": True, "select_every": 4, "host_memory_gb": 80.0},
+            **{f"lychee-tier-capacity{k}": {"host_tier": True, "select_every": 4, "host_memory_gb": 80.0}
+               for k in ("", "-2k")},
             "lychee-hybrid-0.5": {"head_roles": "staggered-0.5"},
             "lychee-hybrid-0.25": {"head_roles": "staggered-0.25"}, "lychee-fine-2": {"fine_cluster_size": 2.0},
             "lychee-expand-8": {"coarse_expand": 8.0, "coarse_expand_min": 0}, "lychee-rerank-2": {"rerank_factor": 2},
@@ -73,7 +76,8 @@ VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             "lychee-ahead-box": {"select_ahead": True, "fine_bound": "box"},
             **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
                for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
-VARIANT_ARGS = {"lychee-tier-capacity": ["--swa-full-tokens-ratio", "0.1"]}   # server flags beside COMMON
+VARIANT_ARGS = {"lychee-tier-capacity": ["--swa-full-tokens-ratio", "0.1"],   # server flags beside COMMON
+                "lychee-tier-capacity-2k": ["--swa-full-tokens-ratio", "0.15", "--chunked-prefill-size", "2048"]}
 # --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
 # by another model's shape
 SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),
