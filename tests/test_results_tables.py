@@ -123,32 +123,6 @@ def test_sweep_cells_take_the_run_with_most_samples_and_compare_on_shared_seeds(
     assert "quest@1024:3" in fr.missing("8K")
 
 
-def test_a_verdict_that_flips_between_two_runs_of_the_same_samples_reads_at_the_edge(monkeypatch):
-    """docs.tables.targets.near_dense: dense and lychee served again together; the earlier pair missed (a task lost beyond
-    chance) and the latest meets: the row says both. Served once, or both runs agreeing, it is a plain verdict; a
-    lychee run from another call than dense's gets none."""
-    import docs.tables.targets as tg
-
-    tasks = [f"t{i}@16000" for i in range(10)]
-
-    def run(method, commit, lost_on_t0=()):
-        return {"method": method, "budget": None if method == "off" else 1024, "commit": commit,
-                "counts": {t: {"n": 50, "correct": 50 - len(lost_on_t0) * (t == tasks[0]),
-                               "failed": list(lost_on_t0) if t == tasks[0] else []} for t in tasks}}
-
-    runs = [run("off", "d1"), run("lychee", "a", range(6)), run("off", "b"), run("lychee", "b", range(5))]
-    monkeypatch.setattr(tg, "load", lambda name: {"runs": runs})
-    verdict = tg.near_dense("16K")[2]
-    assert verdict.startswith("at the edge: **met** (t0 45 against 50 (5 lost, 0 gained, sign test p 0.06)) in "
-                              "this run")
-    assert verdict.endswith("missed: t0 44 against 50 (6 lost, 0 gained, sign test p 0.03)")
-    runs[1] = run("lychee", "a", range(5))
-    assert tg.near_dense("16K")[2] == "**met**"
-    runs[3]["commit"] = "c"   # not served together with the latest dense: no verdict, whatever it would read
-    runs[1] = run("lychee", "a", range(6))
-    assert tg.near_dense("16K")[2] == "no verdict: dense and lychee ran in different calls (would read **met**)"
-
-
 def test_a_test_split_verdict_reads_dense_lychee_and_quest_of_one_call_on_their_shared_seeds():
     from docs.tables.targets import one_call
 

@@ -13,8 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # (file, marker, what writes its block)
 BLOCKS = (("README.md", "glance", glance.table),
           ("README.md", "targets94", lambda: targets.table("targets94")),
-          ("docs/RESULTS.md", "targets10", lambda: targets.table("targets10")),
-          ("docs/RESULTS.md", "targets11", lambda: targets.table("targets11")),
           ("docs/RESULTS.md", "sweep", lambda: "\n\n".join(frontier.sweep_table(n) for n in frontier.SWEEP)),
           ("docs/RESULTS.md", "latest", runs.latest_tables),
           ("docs/RESULTS.md", "index", runs.index_table))

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gpu_serving import SHARED, SHARED_OUTPUT
-
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
@@ -113,18 +111,6 @@ def methods_serving_table(path: Path) -> str:
                                           "host ms per decode step", "host syncs", "dense-fallback steps",
                                           "unselected steps", "errors"], rows))
     return "\n\n".join(out)
-
-
-def shared_prefix_ceiling(r: dict) -> tuple[float, float]:
-    """(step ms, throughput ratio): the most a sparse method can gain over dense on the shared-prefix workload if every
-    decode step at batch 16 took only the batch-1 step at 32K (the fastest sparse method's, from the same run). Dense
-    spends about waves x output length x its median ITL decoding; the rest of its wall time (prefills, queueing) stays."""
-    _, prompts, conc = SHARED
-    d = r["dense"]["shared"]
-    wall = prompts * SHARED_OUTPUT / d["output_throughput"]
-    decode = prompts / conc * SHARED_OUTPUT * d["median_itl_ms"] / 1000
-    step = min(r[m]["tpot_bs1"]["32768"]["tpot_ms"] for m in r["settings"]["methods"] if m != "dense")
-    return step, wall / (wall - decode + prompts / conc * SHARED_OUTPUT * step / 1000)
 
 
 def fidelity_runs_table(path: Path) -> str:
