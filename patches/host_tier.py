@@ -67,9 +67,10 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, ch
     rows = full.k_buffer[0].shape[0]
     need = HostKV.bytes_for(len(sparse), rows, k0.shape[1], k0.shape[2], k0.element_size())
     reserve = host_reserve(k0.device)
-    budget = host_budget(cfg.host_memory_gb, available_bytes, reserve)   # refuses a size over what is available
-    # the plan took its slots from the memory available then: the default's 90% is not taken again of what is left
-    limit = budget if cfg.host_memory_gb else available_bytes - reserve
+    # host_budget refuses a size over what is available; the default's 90% is not taken again of what is left now,
+    # since the plan took its slots from the memory available then
+    limit = (host_budget(cfg.host_memory_gb, available_bytes, reserve) if cfg.host_memory_gb
+             else available_bytes - reserve)
     if need > limit:
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs {need / 2**30:.2f} GiB of host memory for the "
                           f"sparse layers' KV of {rows} tokens, {limit / 2**30:.2f} GiB is "

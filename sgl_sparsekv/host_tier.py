@@ -9,12 +9,13 @@ layer's SWA slot is copied to its row here (write-through), in the pool's stored
 
 The sparse layers' chunk keys and grafts read their KV here by full slot; their prefill reads a device copy of
 one layer at a time, *staged* before the layer's attention: every row the batch's prefixes name is copied over at
-once, so the attention, which reads a prefix once per tile of queries, reads device memory rather than the bus. Their
-decode reads its own buffers, per decoding request the chunks it selected (loaded from here where missing) and a ring of its last tokens
-(``sgl_sparsekv/tier_rows.py``). On the CPU engine host and device memory are one. On a GPU the rows are pinned
-(registered with CUDA) and every reader and writer gets a CUDA tensor over them (:func:`mapped`): its kernels load
-and store host memory over the bus through unified addressing, so the readers of a sparse layer's KV (the wrapped
-backend's prefill, chunk keys, grafts, the hot buffers' loads) run unchanged, without a copy engine or host thread.
+once, so the attention, which reads a prefix once per tile of queries, reads device memory rather than the bus.
+Their decode reads its own buffers, per decoding request the chunks it selected (loaded from here where missing) and
+a ring of its last tokens (``sgl_sparsekv/tier_rows.py``). On the CPU engine host and device memory are one. On a
+GPU the rows are pinned (registered with CUDA) and every reader and writer gets a CUDA tensor over them
+(:func:`mapped`): its kernels load and store host memory over the bus through unified addressing, so the readers of
+a sparse layer's KV (the wrapped backend's prefill, chunk keys, grafts, the hot buffers' loads) run unchanged,
+without a copy engine or host thread.
 """
 
 from __future__ import annotations
