@@ -57,13 +57,13 @@ WORKLOADS = ("random", "random64", "mixed", "shared", "shared64_c16", "shared64_
 # lychee-every-k: selection every k decode steps, the lists reused in between (config select_every); lychee-ahead:
 # selection one step ahead, beside the attention (config select_ahead); lychee-box: fine clusters ranked by their
 # tokens' key boxes (fine_bound "box", at weight 1: Quest's bound); lychee-ahead-box: both, at fine_bound's default
-# weight (bench.fidelity's lychee-ahead-box-0.25); lychee-tier: the host KV tier (config host_tier, its window and the
-# window pool at their defaults: the sparse layers' device pool holds 0.8 of the full pool's tokens, so this measures
-# the tier's decode at the batch plain lychee runs, not its capacity); lychee-tier-every-k: the tier selecting every k
-# decode steps (loads only at those steps); lychee-tier-capacity: the tier sized for capacity (docs/HOST_TIER.md,
-# "Capacity model"): a host pool of 80 GiB (96 was killed for host memory on the lent H100, 128 GiB in all) and a
-# window pool of a tenth of the full one (VARIANT_ARGS); -2k: prefill chunks of 2,048, so that a running request
-# keeps at most 3K window slots (host_tier.window_requests), and a window pool that holds 32 such requests
+# weight (bench.fidelity's lychee-ahead-box-0.25); lychee-tier: the host KV tier (config host_tier) at its defaults
+# (prefill chunks of 2,048 and a window pool for the 32 requests it can run; its results up to ffde855 ran
+# SGLang's 8,192 and a window pool of 0.8 of the full one); lychee-tier-every-k: the tier selecting every k decode
+# steps (loads only at those steps); lychee-tier-capacity: the tier sized for capacity (docs/HOST_TIER.md, "Capacity
+# model"): a host pool of 80 GiB (96 was killed for host memory on the lent H100, 128 GiB in all), as first measured
+# (VARIANT_ARGS: SGLang's prefill chunks of 8,192 and a window pool of a tenth of the full one); -2k: at the tier's
+# defaults beside the host pool
 VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             **{f"lychee-tier-every-{k}": {"host_tier": True, "select_every": k} for k in (4, 8)},
             **{f"lychee-tier-capacity{k}": {"host_tier": True, "select_every": 4, "host_memory_gb": 80.0}
@@ -76,8 +76,8 @@ VARIANTS = {"lychee": {}, "lychee-tier": {"host_tier": True},
             "lychee-ahead-box": {"select_ahead": True, "fine_bound": "box"},
             **{f"lychee-qwen-{m}": {"head_roles": f"qwen2.5-coder-0.5b-{m}"}
                for m in ("calibrated-0.25", "layer-sharing-0.25", "hardkuma-0.25")}}
-VARIANT_ARGS = {"lychee-tier-capacity": ["--swa-full-tokens-ratio", "0.1"],   # server flags beside COMMON
-                "lychee-tier-capacity-2k": ["--swa-full-tokens-ratio", "0.15", "--chunked-prefill-size", "2048"]}
+# server flags beside COMMON
+VARIANT_ARGS = {"lychee-tier-capacity": ["--swa-full-tokens-ratio", "0.1", "--chunked-prefill-size", "8192"]}
 # --shape: config.json of a dummy-weight model dir made by mkmodel.py (which knows the Llama-3.1-8B shape), replaced
 # by another model's shape
 SHAPES = {"llama3-8b": ("Llama-3.1-8B shape, dummy weights", None),

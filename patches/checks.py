@@ -70,7 +70,7 @@ def _hf_config(sa):
 
         return AutoConfig.from_pretrained(sa.model_path, trust_remote_code=sa.trust_remote_code,
                                           revision=sa.revision)
-    except Exception as e:  # unreadable config: let SGLang report it its own way
+    except Exception:  # unreadable config: let SGLang report it its own way
         return None
 
 

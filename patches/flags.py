@@ -78,14 +78,32 @@ def choose_backend(get, put) -> None:
             logger.info("sparse-kv: --attention-backend %s (no attention backend given)", backend)
 
 
+def choose_chunk(cfg: SparseKVConfig, get, put) -> None:
+    """With the host tier, prefill chunks of ``TIER_CHUNK`` where ``--chunked-prefill-size`` is not given: each
+    running request keeps its last chunk in the window pool, whose slots the memory plan sets aside per request."""
+    from sgl_sparsekv.host_tier import TIER_CHUNK
+
+    if cfg.host_tier and get("chunked_prefill_size") is None:
+        put("chunked_prefill_size", TIER_CHUNK)
+        logger.info("sparse-kv: --chunked-prefill-size %d (host_tier; none given)", TIER_CHUNK)
+
+
+def prepare(method: str, overrides, get, put) -> None:
+    """What a sparse server sets among SGLang's own flags before SGLang resolves them (``get``/``put`` read and
+    write the CLI namespace or ServerArgs' keyword arguments)."""
+    if method == "off":
+        return
+    choose_backend(get, put)
+    choose_chunk(SparseKVConfig.from_method(method, overrides), get, put)
+    put("disable_prefill_cuda_graph", True)   # prefill does host bookkeeping per batch; decode graphs stay on
+
+
 def from_cli_args(original, cls, args: argparse.Namespace):
-    method = getattr(args, "sparse_kv", "off")
-    if method != "off":
-        choose_backend(lambda f: getattr(args, f, None), lambda f, v: setattr(args, f, v))
-        args.disable_prefill_cuda_graph = True  # prefill does host bookkeeping per batch; decode graphs stay on
-    server_args = original(cls, args)
+    method, overrides = getattr(args, "sparse_kv", "off"), getattr(args, "sparse_kv_config", None)
     try:
-        attach(server_args, method, getattr(args, "sparse_kv_config", None))
+        prepare(method, overrides, lambda f: getattr(args, f, None), lambda f, v: setattr(args, f, v))
+        server_args = original(cls, args)
+        attach(server_args, method, overrides)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
     return server_args
@@ -95,9 +113,7 @@ def server_args_init(original, self, *args, **kwargs):
     """``sglang.Engine(..., sparse_kv="lychee", sparse_kv_config={...})`` and ``ServerArgs(...)``."""
     method = kwargs.pop("sparse_kv", "off")
     overrides = kwargs.pop("sparse_kv_config", None)
-    if method != "off":
-        choose_backend(kwargs.get, kwargs.__setitem__)
-        kwargs["disable_prefill_cuda_graph"] = True
+    prepare(method, overrides, kwargs.get, kwargs.__setitem__)
     original(self, *args, **kwargs)
     attach(self, method, overrides)
 

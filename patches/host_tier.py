@@ -105,7 +105,7 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, ch
     pool.get_kv_buffer = lambda layer_id: (get_key_buffer(layer_id), get_value_buffer(layer_id))
     logger.info("sparse-kv: host tier of %.2f GiB for %d sparse layers x %d tokens; the device keeps their last %d "
                 "tokens per request (%d window slots: room for %d requests, each also holding its last prefill chunk "
-                "of up to %d tokens there; --swa-full-tokens-ratio sizes them)", host.nbytes / 2**30, len(sparse),
+                "of up to %d tokens there)", host.nbytes / 2**30, len(sparse),
                 rows, cfg.host_window, swa.size, window_requests(swa.size, cfg.host_window, chunk), chunk)
     return host
 

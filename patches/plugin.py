@@ -78,11 +78,44 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
         # the CPU engine's KV pools live in host memory too: the host pool is charged per full slot, as SGLang
         # charges the windowed layers' device slots
         configurator._cell_size += host_per_slot
-    else:   # the decode's hot buffers, one set per request SGLang can run, are set aside on the device
-        owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
+    owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
+    if str(runner.device) != "cpu":   # the decode's hot buffers, one set per request SGLang can run, on the device
         configurator.sparse_kv_reserved_bytes += HotBuffers.bytes_for(cfg, owners, configurator._swa_layers_num,
                                                                       configurator._swa_per_token)
+    size_window_pool(configurator, runner, cfg.host_window, owners)
     return result
+
+
+def size_window_pool(configurator, runner, host_window: int, requests: int) -> None:
+    """Unless ``--swa-full-tokens-ratio`` is given, the window pool holds the windows of the requests the tier runs
+    (``host_tier.window_slots``), set aside before the full pool is sized, rather than SGLang's default 0.8 of the
+    full pool, which would keep most of every token's sparse-layer KV on the device as well as on the host."""
+    from sglang.srt.environ import envs
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_sparsekv.host_tier import window_slots
+
+    if configurator._swa_full_tokens_ratio != ServerArgs.swa_full_tokens_ratio:
+        return   # the operator's ratio (SGLang tells its default apart the same way)
+    sa = runner.server_args
+    page = sa.page_size or 1
+    # without chunked prefill a prompt is one chunk, as long as the context
+    chunk = sa.chunked_prefill_size if (sa.chunked_prefill_size or 0) > 0 else runner.model_config.context_len
+    slots = window_slots(requests, host_window, chunk, envs.SGLANG_SWA_EVICTION_INTERVAL.get() + 2 * page)
+    slots = -(-slots // page) * page
+    per_slot = configurator._swa_per_token * configurator._swa_layers_num
+    configurator._cell_size -= configurator._swa_full_tokens_ratio * per_slot
+    configurator.sparse_kv_reserved_bytes += slots * per_slot
+    logger.info("sparse-kv: a window pool of %d slots for %d requests (their last %d tokens and prefill chunks of "
+                "%d), %.2f GiB", slots, requests, host_window, chunk, slots * per_slot / 2**30)
+    solve = configurator._solve_pool_sizes
+
+    def solve_with_window(max_total_num_tokens, page_size, *args, **kwargs):
+        sizes = solve(max_total_num_tokens, page_size, *args, **kwargs)
+        sizes.swa_max_total_num_tokens = min(slots, sizes.full_max_total_num_tokens)
+        return sizes
+
+    configurator._solve_pool_sizes = solve_with_window
 
 
 def reserve_index_cache(original, configurator, available_bytes, page_size, *args, **kwargs):
@@ -92,7 +125,11 @@ def reserve_index_cache(original, configurator, available_bytes, page_size, *arg
     if reserved:
         logger.info("sparse-kv: %.2f GiB of %.2f GiB set aside for cached indexes before sizing the KV pool",
                     reserved / (1 << 30), available_bytes / (1 << 30))
-    sizes = original(configurator, max(0, available_bytes - reserved), page_size, *args, **kwargs)
+    if reserved >= available_bytes:
+        raise ConfigError(f"sparse-kv: the {reserved / 2**30:.2f} GiB set aside (index cache, and with host_tier the hot "
+                          f"buffers and window pool) leave nothing of the {available_bytes / 2**30:.2f} GiB for the KV "
+                          "pool; lower --max-running-requests or --chunked-prefill-size, or raise --mem-fraction-static")
+    sizes = original(configurator, available_bytes - reserved, page_size, *args, **kwargs)
     cap = getattr(configurator, "sparse_kv_host_slots", None)
     if cap is not None:
         cap -= page_size   # SGLang's pools hold a page of padding slots beside their size

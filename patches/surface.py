@@ -54,6 +54,8 @@ IMPORTS = (
     "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool",
     "sglang.srt.layers.dp_attention.get_attention_tp_size",
     "sglang.srt.utils.hf_transformers.tokenizer.get_tokenizer",
+    "sglang.srt.server_args.ServerArgs",
+    "sglang.srt.environ.envs",   # SGLANG_SWA_EVICTION_INTERVAL: how far past its window a request's slots run
 )
 
 # the attention-backend interface SparseKVAttnBackend implements, and where SGLang's graph runner calls it
@@ -74,7 +76,8 @@ SERVER_ARGS_FIELDS = ("speculative_algorithm", "enable_mixed_chunk", "enable_two
                       "attention_backend", "prefill_attention_backend", "decode_attention_backend",
                       "kv_cache_dtype", "is_embedding", "cuda_graph_config", "device", "tp_size", "model_path",
                       "trust_remote_code", "revision", "tokenizer_path", "tokenizer_mode", "served_model_name",
-                      "enable_metrics", "max_running_requests", "chunked_prefill_size")
+                      "enable_metrics", "max_running_requests", "chunked_prefill_size", "page_size",
+                      "swa_full_tokens_ratio")
 # ServerArgs.cuda_graph_config: a phase's graphs are off where its backend is "disabled"
 GRAPH_CONFIG = "sglang.srt.model_executor.cuda_graph_config.CudaGraphConfig"
 GRAPH_CONFIG_FIELDS = ("decode", "prefill")
@@ -100,8 +103,10 @@ KV_POOL_ATTRS = ("get_key_buffer", "get_value_buffer", "set_kv_buffer", "start_l
 # the host tier (patches/host_tier.py): the hybrid configurator's per-token bytes, which the index pools (and, on
 # the CPU engine, the host pool) are charged to; the allocator's two pool sizes (its gauges); the hybrid pool's layer
 # map, its two pools and their buffers
-SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num", "calculate_pool_sizes_from_max_tokens")
-POOL_SIZES_ATTRS = ("full_max_total_num_tokens",)   # MemoryPoolConfig, what calculate_pool_sizes returns
+SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num", "_swa_full_tokens_ratio",
+                          "_solve_pool_sizes", "calculate_pool_sizes_from_max_tokens")
+# MemoryPoolConfig, what calculate_pool_sizes returns
+POOL_SIZES_ATTRS = ("full_max_total_num_tokens", "swa_max_total_num_tokens")
 SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
 SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance

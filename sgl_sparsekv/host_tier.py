@@ -64,6 +64,20 @@ def window_requests(window_slots: int, host_window: int, chunk: int) -> int:
     return window_slots // (host_window + max(chunk, 0))
 
 
+# The tier's prefill chunk where --chunked-prefill-size is not given (patches/flags.py): a running request keeps its
+# last chunk in the window pool (window_requests), so SGLang's 8,192 on an H100 would take 9.3K window slots a
+# request, 36 GB for 32 requests of the Llama-3.1-8B shape beside their 19 GB of hot buffers; at 2,048, 12 GB.
+TIER_CHUNK = 2048
+
+
+def window_slots(requests: int, host_window: int, chunk: int, slack: int) -> int:
+    """Window slots for ``requests`` running requests, what the window pool gets unless ``--swa-full-tokens-ratio``
+    says otherwise: each keeps its last ``host_window`` tokens, its last prefill chunk (:func:`window_requests`) and
+    ``slack`` more (the tokens decoded since SGLang last freed the ones out of its window, and page rounding), and two
+    more chunks are being prefilled (the overlap scheduler runs one batch ahead)."""
+    return requests * (host_window + chunk + slack) + 2 * chunk
+
+
 def host_reserve(device) -> int:
     """``HOST_RESERVE_BYTES`` beside a GPU; nothing on the CPU engine, whose plan sizes its pools from host memory."""
     return 0 if torch.device(device).type == "cpu" else HOST_RESERVE_BYTES

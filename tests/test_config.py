@@ -289,6 +289,24 @@ def test_a_backend_we_wrap_where_none_is_given(monkeypatch, device, flashinfer, 
     assert "attention_backend" not in given
 
 
+@pytest.mark.parametrize("method,config,given,expected", [
+    ("lychee", {"host_tier": True}, None, 2048),   # each running request keeps its last chunk on the device
+    ("lychee", {"host_tier": True}, 4096, 4096),
+    ("quest", {"host_tier": True}, None, 2048),
+    ("lychee", None, None, None),                  # SGLang's own default
+    ("off", None, None, None),
+])
+def test_the_host_tier_prefills_in_short_chunks_unless_told(method, config, given, expected):
+    from sgl_sparsekv.patches.flags import prepare
+
+    args = {"device": "cpu", "chunked_prefill_size": given}
+    prepare(method, config, args.get, args.__setitem__)
+    assert args["chunked_prefill_size"] == expected
+    assert args.get("disable_prefill_cuda_graph") is (None if method == "off" else True)
+    with pytest.raises(ConfigError, match="unknown key"):   # a bad config stops the parse before SGLang's own
+        prepare("lychee", {"no_such_key": 1}, args.get, args.__setitem__)
+
+
 def test_no_device_and_no_backend_resolve_as_sglang_would(monkeypatch):
     import sglang.srt.utils as su
 
@@ -406,8 +424,8 @@ def test_host_tier_memory_is_charged_where_it_lives(monkeypatch, device):
                              is_draft_worker=False, model_config=mc, device=device)
     conf = object.__new__(HybridSWAPoolConfigurator)
     token = 8 * (128 + 128) * 2   # one token's K and V in one layer
-    conf._swa_per_token, conf._swa_layers_num = token, 30
-    conf._cell_size = 2 * token + 0.8 * 30 * token
+    conf._swa_per_token, conf._swa_layers_num, conf._swa_full_tokens_ratio = token, 30, 0.5   # the operator's ratio
+    conf._cell_size = 2 * token + 0.5 * 30 * token
     cell = conf._cell_size
     charge_index_memory_swa(None, conf, runner)
     index = bytes_per_token(cfg, 32, 8, 128)
@@ -448,6 +466,41 @@ def test_host_tier_kv_slots_are_capped_by_the_host_pool(monkeypatch, gib, capped
     assert slots == (8737 if gib == 1 else 8_738_132)
     assert sizes.full_max_total_num_tokens == (slots if capped else 100_000)
     assert sizes.swa_max_total_num_tokens == int(sizes.full_max_total_num_tokens * 0.25)
+
+
+@pytest.mark.parametrize("ratio", [0.8, 0.5])
+def test_host_tier_window_pool_holds_its_requests_windows(monkeypatch, ratio):
+    """At SGLang's default --swa-full-tokens-ratio (0.8) the tier's window pool is sized for the requests it runs:
+    8 requests, each with its window (1,024), its last prefill chunk (2,048), the tokens decoded since SGLang last
+    freed its slots (128) and 2 pages, and 2 chunks in flight: 8 x 3,202 + 2 x 2,048 = 29,712 slots, set aside
+    before the full pool, which takes the rest at its own bytes per slot. A ratio the operator gives is SGLang's to
+    apply; a plan whose set-aside bytes leave nothing for the KV pool is refused with one line."""
+    import sglang.srt.layers.dp_attention as dp
+    from sglang.srt.model_executor.pool_configurator import HybridSWAPoolConfigurator
+
+    from sgl_sparsekv.patches.plugin import charge_index_memory_swa, reserve_index_cache
+
+    monkeypatch.setattr(dp, "get_attention_tp_size", lambda: 1)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=2000 * 2**30))
+    cfg = SparseKVConfig.from_method("lychee", {"host_tier": True})
+    mc = SimpleNamespace(get_num_kv_heads=lambda tp: 8, head_dim=128, num_hidden_layers=32, context_len=131072)
+    sa = SimpleNamespace(sparse_kv_config=cfg.to_dict(), max_running_requests=8, chunked_prefill_size=2048,
+                         page_size=1)
+    runner = SimpleNamespace(server_args=sa, is_draft_worker=False, model_config=mc, device="cuda")
+    conf = object.__new__(HybridSWAPoolConfigurator)
+    token = 8 * (128 + 128) * 2
+    conf._swa_per_token, conf._swa_layers_num, conf._full_layers_num = token, 30, 2
+    conf._swa_full_tokens_ratio, conf._draft_full_layers_num = ratio, 0
+    conf._cell_size = 2 * token + ratio * 30 * token
+    charge_index_memory_swa(None, conf, runner)
+    original = getattr(HybridSWAPoolConfigurator.calculate_pool_sizes, "__wrapped__",
+                       HybridSWAPoolConfigurator.calculate_pool_sizes)
+    available = conf.sparse_kv_reserved_bytes + 100_000 * int(conf._cell_size)
+    sizes = reserve_index_cache(original, conf, available, 1)
+    assert sizes.full_max_total_num_tokens == 100_000
+    assert sizes.swa_max_total_num_tokens == (29_712 if ratio == 0.8 else 50_000)
+    with pytest.raises(ConfigError, match="leave nothing of the .* for the KV pool; lower --max-running-requests"):
+        reserve_index_cache(original, conf, conf.sparse_kv_reserved_bytes, 1)
 
 
 def test_expansion_is_coarse_expand_raised_to_the_floor():
