@@ -80,9 +80,15 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # runs record the share of dense attention's mass each layer group kept
            **{f"{m}-audit": (m, {"recall_audit_every": 8}) for m in ("lychee", "quest")},
            # fp8 KV (--kv-cache-dtype fp8_e4m3, SERVER_FLAGS): each method against its own bf16 run of the same call
-           **{f"{m}-fp8kv": (m, {}) for m in ("off", "lychee", "quest")}}
-# methods served with server flags of their own
-SERVER_FLAGS = {f"{m}-fp8kv": ["--kv-cache-dtype", "fp8_e4m3"] for m in ("off", "lychee", "quest")}
+           **{f"{m}-fp8kv": (m, {}) for m in ("off", "lychee", "quest")},
+           # the host KV tier (issue #93): its answers against plain lychee's (and lychee-every-4's), its hot buffers'
+           # hit rate on real weights; a host pool that leaves room for the call's other servers (a 0.5B model's
+           # sparse layers take 11 KiB a token: 12 GiB hold 32 prompts of 30K)
+           **{f"lychee-tier{s}": ("lychee", {"host_tier": True, "host_memory_gb": 12.0, **extra})
+              for s, extra in (("", {}), ("-every-4", {"select_every": 4}))}}
+# methods served with server flags of their own (the tier: one set of hot buffers per request --concurrency sends)
+SERVER_FLAGS = {**{f"{m}-fp8kv": ["--kv-cache-dtype", "fp8_e4m3"] for m in ("off", "lychee", "quest")},
+                **{m: ["--max-running-requests", "32"] for m in ("lychee-tier", "lychee-tier-every-4")}}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
               "--cuda-graph-max-bs", "32"]
@@ -263,6 +269,8 @@ def run(model: str, model_dir: str, methods, budgets, tasks, lengths, samples, m
                 **({"keys_scored": round(stats["scored_tokens"] / stats["context_tokens"], 4)}
                    if stats.get("scored_tokens") else {}),
                 **({"recall_audit": stats["recall_audit"]} if "recall_audit" in stats else {}),
+                **({"hot_rows_hit_loaded": [stats["hot_rows_hit"], stats["hot_rows_loaded"]]}
+                   if "hot_rows_hit" in stats else {}),
                 "cuda_graph": bool(gpu_backend) and not eager[name, budget],
                 **({"samples": kept} if kept < samples else {}),
                 **({"first_seed": own.start} if own.start != first else {})}
