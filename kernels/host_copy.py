@@ -20,7 +20,13 @@ that decides it. ``bench/bench_host_copy.py`` measures it against copy-engine tr
     dst_k, dst_v   [rows, R]                    the device stage, by the same rows
     slots [n] int64                             rows to copy, repeated where requests share a prefix
     mark  [rows] int32, gen                     a row is copied by the program that first sets its mark to ``gen``
--> dst[s] = src[s] for every s in slots
+    near (optional): near_k, near_v [near_rows, R], near_of [rows] int64
+                                                device copies of some rows: row s is near_k[near_of[s]] where
+                                                near_of[s] != 0 (SGLang's window pool and its full-to-window map)
+-> dst[s] = near[near_of[s]] if near_of[s] else src[s], for every s in slots
+
+A chunked prefill stages its whole prefix again at every chunk; the rows of its earlier chunks mostly still sit in
+the window pool on the device, so they are copied from there and only the rest cross the bus.
 """
 
 from __future__ import annotations
@@ -77,34 +83,55 @@ def copy_runs_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor,
 
 
 @triton.jit
-def _stage_rows_kernel(SrcK, SrcV, DstK, DstV, Slots, Mark, gen, R: tl.constexpr, BLOCK: tl.constexpr):
+def _stage_rows_kernel(SrcK, SrcV, NearK, NearV, NearOf, DstK, DstV, Slots, Mark, gen, R: tl.constexpr,
+                       BLOCK: tl.constexpr, HAS_NEAR: tl.constexpr):
     slot = tl.load(Slots + tl.program_id(0)).to(tl.int64)
     if tl.atomic_xchg(Mark + slot, gen) != gen:   # the first of the batch's requests to name this row copies it
+        src_k = SrcK + slot * R
+        src_v = SrcV + slot * R
+        if HAS_NEAR:
+            near = tl.load(NearOf + slot)
+            if near != 0:   # still on the device
+                src_k = NearK + near * R
+                src_v = NearV + near * R
         for off in tl.static_range(0, R, BLOCK):
             o = off + tl.arange(0, BLOCK)
             m = o < R
-            tl.store(DstK + slot * R + o, tl.load(SrcK + slot * R + o, mask=m), mask=m)
-            tl.store(DstV + slot * R + o, tl.load(SrcV + slot * R + o, mask=m), mask=m)
+            tl.store(DstK + slot * R + o, tl.load(src_k + o, mask=m), mask=m)
+            tl.store(DstV + slot * R + o, tl.load(src_v + o, mask=m), mask=m)
 
 
 def stage_rows(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-               slots: torch.Tensor, mark: torch.Tensor, gen: int) -> None:
-    """Copy rows ``slots`` of K and V from ``src`` to ``dst`` (module docstring); ``gen`` must differ from every
-    value ``mark`` holds, so a caller counts it up and refills ``mark`` with -1 before it wraps."""
+               slots: torch.Tensor, mark: torch.Tensor, gen: int, near: tuple | None = None) -> None:
+    """Copy rows ``slots`` of K and V to ``dst``, from ``near`` = (near_k, near_v, near_of) where it holds them and
+    from ``src`` otherwise (module docstring); ``gen`` must differ from every value ``mark`` holds, so a caller
+    counts it up and refills ``mark`` with -1 before it wraps."""
     if slots.numel() == 0:
         return
     R = src_k[0].numel()
     for t in (src_k, src_v, dst_k, dst_v):
         assert t.is_contiguous() and t[0].numel() == R and t.shape[0] == mark.shape[0], t.shape
     assert slots.dtype == torch.int64 and mark.dtype == torch.int32 and 0 <= gen < 2**31 - 1
-    _stage_rows_kernel[(slots.numel(),)](src_k, src_v, dst_k, dst_v, slots, mark, gen, R=R,
-                                         BLOCK=min(1024, triton.next_power_of_2(R)))
+    near_k, near_v, near_of = near if near is not None else (dst_k, dst_v, slots)   # unread without HAS_NEAR
+    if near is not None:
+        assert near_k.is_contiguous() and near_v.is_contiguous() and near_k[0].numel() == R, near_k.shape
+        assert near_k.shape == near_v.shape and near_of.dtype == torch.int64 and near_of.shape[0] >= mark.shape[0]
+    _stage_rows_kernel[(slots.numel(),)](src_k, src_v, near_k, near_v, near_of, dst_k, dst_v, slots, mark, gen,
+                                         R=R, BLOCK=min(1024, triton.next_power_of_2(R)), HAS_NEAR=near is not None)
 
 
 def stage_rows_ref(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-                   slots: torch.Tensor, mark: torch.Tensor, gen: int) -> None:
-    """The kernel's torch twin: each row once."""
+                   slots: torch.Tensor, mark: torch.Tensor, gen: int, near: tuple | None = None) -> None:
+    """The kernel's torch twin: each row once, from ``near`` where it holds it."""
     rows = slots.unique()
-    dst_k.index_copy_(0, rows, src_k.index_select(0, rows))
-    dst_v.index_copy_(0, rows, src_v.index_select(0, rows))
+    far = rows
+    if near is not None:
+        near_k, near_v, near_of = near
+        at = near_of[rows]
+        close = at != 0
+        dst_k.index_copy_(0, rows[close], near_k.index_select(0, at[close]))
+        dst_v.index_copy_(0, rows[close], near_v.index_select(0, at[close]))
+        far = rows[~close]
+    dst_k.index_copy_(0, far, src_k.index_select(0, far))
+    dst_v.index_copy_(0, far, src_v.index_select(0, far))
     mark[rows] = gen

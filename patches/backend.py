@@ -169,6 +169,7 @@ class SparseKVAttnBackend(AttentionBackend):
 
             self.host = host_tier.install(pool, cfg, runner.model_config.num_hidden_layers,
                                           psutil.virtual_memory().available, runner.server_args.chunked_prefill_size or 0)
+            self.window_rows = functools.partial(host_tier.window_rows, pool)
         start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)
         self.use_triton = str(self.device).startswith("cuda")
@@ -305,8 +306,9 @@ class SparseKVAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ per layer
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         staged = self.host is not None and self.host.holds(layer.layer_id)
-        if staged:   # the prefixes' rows of this layer over the bus once, for an attention that reads them per tile
-            self.host.stage(layer.layer_id, self.stage_slots)
+        if staged:   # the prefixes' rows of this layer once, for an attention that reads them per tile: from the
+            # window pool where SGLang still holds them there, over the bus otherwise
+            self.host.stage(layer.layer_id, self.stage_slots, self.window_rows(layer.layer_id))
         out = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if staged:
             self.host.unstage()

@@ -110,6 +110,13 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, ch
     return host
 
 
+def window_rows(pool, layer_id: int) -> tuple:
+    """A sparse layer's rows still in SGLang's window pool (keys, values, in the stored dtype) and its full-to-window
+    slot map (0: the slot has no window row), for ``HostKV.stage`` to copy on the device instead of over the bus."""
+    swa, j = pool.swa_kv_pool, pool.layers_mapping[layer_id][0]
+    return swa.k_buffer[j], swa.v_buffer[j], pool.full_to_swa_index_mapping
+
+
 def gauges(host: HostKV, allocator, hot):
     """The tier's ``/server_info`` and Prometheus gauges (sgl_sparsekv/stats.py), read from SGLang's allocator and
     from the decoders' hot buffers (``hot()``: their ``tier_rows.HotBuffers``)."""

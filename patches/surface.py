@@ -108,7 +108,8 @@ SWA_CONFIGURATOR_ATTRS = ("_cell_size", "_swa_per_token", "_swa_layers_num", "_s
 # MemoryPoolConfig, what calculate_pool_sizes returns
 POOL_SIZES_ATTRS = ("full_max_total_num_tokens", "swa_max_total_num_tokens")
 SWA_ALLOCATOR_ATTRS = ("size_full", "size_swa", "full_available_size", "swa_available_size")
-SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer")
+SWA_POOL_ATTRS = ("layers_mapping", "swa_kv_pool", "full_kv_pool", "translate_loc_from_full_to_swa", "get_kv_buffer",
+                  "full_to_swa_index_mapping")
 REQ_POOL_PATCHED = ("free", "clear")         # watch_frees wraps these on the instance
 REQ_POOL_ATTRS = ("size",)   # the host tier: one set of hot buffers per request SGLang can run
 ALLOCATOR_PATCHED = ("free", "clear")

@@ -189,16 +189,18 @@ class HostKV:
             self.stage_k.index_copy_(0, loc, k_rows)
             self.stage_v.index_copy_(0, loc, v_rows)
 
-    def stage(self, layer_id: int, slots: torch.Tensor) -> None:
+    def stage(self, layer_id: int, slots: torch.Tensor, near: tuple | None = None) -> None:
         """Copy rows ``slots`` (full KV slots, int64 on the reader device, repeats allowed) of a sparse layer to the
-        stage, which its readers see until :meth:`unstage`; rows written meanwhile land there too. Stream-ordered:
-        the next layer's stage waits for this layer's attention like any kernel after it."""
+        stage, which its readers see until :meth:`unstage`; rows written meanwhile land there too. ``near``:
+        (k_rows, v_rows, near_of), the layer's rows still on the device (SGLang's window pool, in the stored
+        dtype) and each full slot's row there (0: none), which are copied from there instead of over the bus.
+        Stream-ordered: the next layer's stage waits for this layer's attention like any kernel after it."""
         if self.gen == 2**31 - 2:
             self.mark.fill_(-1)
             self.gen = -1
         self.gen += 1
         i = self.layer_of[layer_id]
-        self._stage_rows(self.k_at[i], self.v_at[i], self.stage_k, self.stage_v, slots, self.mark, self.gen)
+        self._stage_rows(self.k_at[i], self.v_at[i], self.stage_k, self.stage_v, slots, self.mark, self.gen, near)
         self.staged = layer_id
 
     def unstage(self) -> None:

@@ -99,10 +99,11 @@ def test_copy_runs_replays_from_a_cuda_graph_with_new_runs():
         assert torch.equal(dk, want_k) and torch.equal(dv, want_v)
 
 
-def check_stage(rows, heads, D, n, dtype, host=False, seed=0, gens=(0, 1, 2)):
+def check_stage(rows, heads, D, n, dtype, host=False, seed=0, gens=(0, 1, 2), near=False):
     """Slots drawn with many repeats (prefixes shared by a batch's requests), staged over several generations into
     a stage that already holds rows of earlier layers: the kernel's stage equals its twin's, every named row equals
-    the source and every other row is as it was."""
+    its source and every other row is as it was. ``near``: a third of the rows also have a device copy (the window
+    pool's, made to differ from the host row here so the test sees which one was read), which a named row takes."""
     gen = torch.Generator().manual_seed(seed)
     src_k, src_v = (torch.randn(rows, heads, D, generator=gen).to(dtype) for _ in range(2))
     if host:
@@ -112,27 +113,42 @@ def check_stage(rows, heads, D, n, dtype, host=False, seed=0, gens=(0, 1, 2)):
     stage_k, stage_v = (torch.randn(rows, heads, D, generator=gen).to(dtype).to(DEV) for _ in range(2))
     want_k, want_v = stage_k.clone(), stage_v.clone()
     mark, want_mark = (torch.full((rows,), -1, dtype=torch.int32, device=DEV) for _ in range(2))
+    near_of = torch.zeros(rows + 2, dtype=torch.int64)   # SGLang's map is longer than the pool: padding rows
+    close = torch.randperm(rows, generator=gen)[:rows // 3]
+    near_of[close] = torch.randperm(rows // 3, generator=gen) + 1   # window row 0 is SGLang's padding slot
+    near_of = near_of.to(DEV)
+    near_k, near_v = (torch.randn(rows // 3 + 1, heads, D, generator=gen).to(dtype).to(DEV) for _ in range(2))
     for g in gens:
         shared = torch.randint(rows, (n // 2,), generator=gen)
         slots = torch.cat([shared, shared[:n // 4], torch.randint(rows, (n - n // 2 - n // 4,), generator=gen)])
         slots = slots[torch.randperm(n, generator=gen)].to(DEV)
         src_k.add_(1)   # a new layer's rows
+        near_k.add_(1)
         before = stage_k.clone()
-        stage_rows_ref(src_k.to(DEV), src_v.to(DEV), want_k, want_v, slots, want_mark, g)
-        stage_rows(src_k, src_v, stage_k, stage_v, slots, mark, g)
+        window = (near_k, near_v, near_of) if near else None
+        stage_rows_ref(src_k.to(DEV), src_v.to(DEV), want_k, want_v, slots, want_mark, g, window)
+        stage_rows(src_k, src_v, stage_k, stage_v, slots, mark, g, window)
         assert torch.equal(stage_k, want_k) and torch.equal(stage_v, want_v) and torch.equal(mark, want_mark)
         named = torch.zeros(rows, dtype=torch.bool, device=DEV)
         named[slots] = True
-        assert torch.equal(stage_k[named], src_k.to(DEV)[named]) and torch.equal(stage_k[~named], before[~named])
+        source = src_k.to(DEV).clone()
+        if near:
+            source[near_of[:rows] != 0] = near_k[near_of[:rows][near_of[:rows] != 0]]
+        assert torch.equal(stage_k[named], source[named]) and torch.equal(stage_k[~named], before[~named])
 
 
 def test_stage_rows_small():
-    """Rows of 2 heads x 40 (a masked tail), and a row longer than one block (2 x 640, two blocks of 1024)."""
+    """Rows of 2 heads x 40 (a masked tail), and a row longer than one block (2 x 640, two blocks of 1024); with
+    device copies of some rows, those are read instead."""
     check_stage(rows=300, heads=2, D=40, n=200, dtype=torch.float32)
     check_stage(rows=64, heads=2, D=640, n=50, dtype=torch.bfloat16, seed=1)
+    check_stage(rows=300, heads=2, D=40, n=200, dtype=torch.float32, seed=2, near=True)
+    check_stage(rows=64, heads=2, D=640, n=50, dtype=torch.bfloat16, seed=3, near=True)
 
 
 @pytest.mark.gpu
 def test_stage_rows_from_pinned_host_memory():
-    """Llama-3.1-8B's KV heads in bf16 from a pinned pool of 64K rows: 100K slots, half of them repeats."""
+    """Llama-3.1-8B's KV heads in bf16 from a pinned pool of 64K rows: 100K slots, half of them repeats; then with
+    a third of the rows in a device window pool."""
     check_stage(rows=65_536, heads=8, D=128, n=100_000, dtype=torch.bfloat16, host=True)
+    check_stage(rows=65_536, heads=8, D=128, n=100_000, dtype=torch.bfloat16, host=True, seed=1, near=True)
