@@ -209,7 +209,7 @@ for argv in json.loads(sys.argv[1]):
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(said):
             sa = prepare_server_args(argv)
-        out.append({"parsed": f"PARSED {sa.sparse_kv} {sa.sparse_kv_config}"})
+        out.append({"parsed": f"PARSED {sa.sparse_kv} {sa.sparse_kv_config}", "chunk": sa.chunked_prefill_size})
     except SystemExit as e:
         lines = err.getvalue().strip().splitlines()
         out.append({"exit": e.code if isinstance(e.code, str) or not lines else lines[-1], "stderr": err.getvalue(),
@@ -229,13 +229,17 @@ def test_cli_flags_parse_and_fail_fast(smollm2_dir):
         (["--sparse-kv", "lychee", "--sparse-kv-config", '{"head_roles": "qwen2.5-coder-0.5b-calibrated-0.25"}'],
          "(made for qwen2.5-coder-0.5b: 24 layers, 2 KV heads, 2 dense) does not fit this model (30 layers"),
     ]
+    tier = ["--sparse-kv", "lychee", "--sparse-kv-config", '{"host_tier": true}', "--max-running-requests", "8"]
     runs = [["--sparse-kv", "lychee", "--sparse-kv-config", '{"token_budget": 256}', "--kv-cache-dtype", "fp8_e4m3"],
-            [], ["--help"]] + [e for e, _ in failing]
+            [], ["--help"], tier, tier + ["--chunked-prefill-size", "512"]] + [e for e, _ in failing]
     p = subprocess.run([sys.executable, "-c", PARSE_MANY, json.dumps([base + r for r in runs])], capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    ok, off, usage, *bads = json.loads(p.stdout.strip().splitlines()[-1])
+    ok, off, usage, tiered, told, *bads = json.loads(p.stdout.strip().splitlines()[-1])
     assert "PARSED lychee {" in ok["parsed"] and "'token_budget': 256" in ok["parsed"], ok
+    # the host tier prefills in chunks of 2,048 unless told (each running request keeps its last chunk on the device)
+    assert "'host_tier': True" in tiered["parsed"] and tiered["chunk"] == 2048 and told["chunk"] == 512
+    assert ok["chunk"] == off["chunk"]   # without the tier, SGLang's own default
     assert off["parsed"].startswith("PARSED off {'method': 'off'"), off
     # launch_server --help lists the two flags
     assert "--sparse-kv {off,lychee,quest}" in usage["stdout"] and "--sparse-kv-config FILE_OR_JSON" in usage["stdout"]
