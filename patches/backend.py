@@ -167,8 +167,10 @@ class SparseKVAttnBackend(AttentionBackend):
 
             from sgl_sparsekv.patches import host_tier
 
+            sa = runner.server_args
             self.host = host_tier.install(pool, cfg, runner.model_config.num_hidden_layers,
-                                          psutil.virtual_memory().available, runner.server_args.chunked_prefill_size or 0)
+                                          psutil.virtual_memory().available, sa.chunked_prefill_size or 0,
+                                          host_tier.window_slack(sa))
             self.window_rows = functools.partial(host_tier.window_rows, pool)
         start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)

@@ -47,11 +47,19 @@ def add_model_overrides(server_args, cfg: SparseKVConfig, num_layers: int | None
     server_args.json_model_override_args = json.dumps({**given, **ours})
 
 
-def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, chunk: int) -> HostKV:
+def window_slack(server_args) -> int:
+    """Window slots a request holds beyond its window and last prefill chunk (``host_tier.window_slots``): the tokens
+    SGLang decodes between freeing those out of a window (``SGLANG_SWA_EVICTION_INTERVAL``) and two pages."""
+    from sglang.srt.environ import envs
+
+    return envs.SGLANG_SWA_EVICTION_INTERVAL.get() + 2 * (server_args.page_size or 1)
+
+
+def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, chunk: int, slack: int) -> HostKV:
     """Give ``pool`` (SGLang's SWAKVPool) a host pool for its sparse layers: writes go through to it, and those
     layers' key and value buffers become the host pool's (by full KV slot). Refuses with one line what cannot
-    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``. ``chunk``: SGLang's chunked prefill size
-    (the log says how many requests the window pool holds)."""
+    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``. ``chunk``, ``slack``: SGLang's chunked
+    prefill size and :func:`window_slack` (the log says how many requests the window pool holds)."""
     if not isinstance(pool, SWAKVPool):
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs SGLang's hybrid sliding-window KV pool, got "
                           f"{type(pool).__name__}")
@@ -104,9 +112,9 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, ch
     pool.set_kv_buffer, pool.get_key_buffer, pool.get_value_buffer = set_kv_buffer, get_key_buffer, get_value_buffer
     pool.get_kv_buffer = lambda layer_id: (get_key_buffer(layer_id), get_value_buffer(layer_id))
     logger.info("sparse-kv: host tier of %.2f GiB for %d sparse layers x %d tokens; the device keeps their last %d "
-                "tokens per request (%d window slots: room for %d requests, each also holding its last prefill chunk "
-                "of up to %d tokens there)", host.nbytes / 2**30, len(sparse),
-                rows, cfg.host_window, swa.size, window_requests(swa.size, cfg.host_window, chunk), chunk)
+                "tokens per request (%d window slots: room for %d requests at worst, each also holding its last "
+                "prefill chunk of up to %d tokens there)", host.nbytes / 2**30, len(sparse), rows, cfg.host_window,
+                swa.size, window_requests(swa.size, cfg.host_window, chunk, slack), chunk)
     return host
 
 

@@ -90,10 +90,10 @@ def size_window_pool(configurator, runner, host_window: int, requests: int) -> N
     """Unless ``--swa-full-tokens-ratio`` is given, the window pool holds the windows of the requests the tier runs
     (``host_tier.window_slots``), set aside before the full pool is sized, rather than SGLang's default 0.8 of the
     full pool, which would keep most of every token's sparse-layer KV on the device as well as on the host."""
-    from sglang.srt.environ import envs
     from sglang.srt.server_args import ServerArgs
 
     from sgl_sparsekv.host_tier import window_slots
+    from sgl_sparsekv.patches.host_tier import window_slack
 
     if configurator._swa_full_tokens_ratio != ServerArgs.swa_full_tokens_ratio:
         return   # the operator's ratio (SGLang tells its default apart the same way)
@@ -101,7 +101,7 @@ def size_window_pool(configurator, runner, host_window: int, requests: int) -> N
     page = sa.page_size or 1
     # without chunked prefill a prompt is one chunk, as long as the context
     chunk = sa.chunked_prefill_size if (sa.chunked_prefill_size or 0) > 0 else runner.model_config.context_len
-    slots = window_slots(requests, host_window, chunk, envs.SGLANG_SWA_EVICTION_INTERVAL.get() + 2 * page)
+    slots = window_slots(requests, host_window, chunk, window_slack(sa))
     slots = -(-slots // page) * page
     per_slot = configurator._swa_per_token * configurator._swa_layers_num
     configurator._cell_size -= configurator._swa_full_tokens_ratio * per_slot

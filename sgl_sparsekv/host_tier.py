@@ -56,26 +56,26 @@ def host_budget(host_memory_gb: float, available: int, reserve: int) -> int:
     return int(host_memory_gb * 2**30) if host_memory_gb else int(0.9 * room)
 
 
-def window_requests(window_slots: int, host_window: int, chunk: int) -> int:
-    """Requests whose windows SGLang's window pool holds at once. Besides its last ``host_window`` tokens a request
-    keeps there the last chunk of its prefill (up to ``chunk``: ``--chunked-prefill-size``) until it ends, since the
-    radix tree locks a request's window by whole nodes and a prefill inserts one node a chunk; a request that finds
-    too little room waits (with chunks of 8,192, 11 requests of 32K prompts filled 83,885 window slots on an H100)."""
-    return window_slots // (host_window + max(chunk, 0))
-
-
 # The tier's prefill chunk where --chunked-prefill-size is not given (patches/flags.py): a running request keeps its
-# last chunk in the window pool (window_requests), so SGLang's 8,192 on an H100 would take 9.3K window slots a
-# request, 36 GB for 32 requests of the Llama-3.1-8B shape beside their 19 GB of hot buffers; at 2,048, 12 GB.
+# last chunk in the window pool (window_slots), so SGLang's 8,192 on an H100 would take 9.3K window slots a request,
+# 36 GB for 32 requests of the Llama-3.1-8B shape beside their 19 GB of hot buffers; at 2,048, 12 GB.
 TIER_CHUNK = 2048
 
 
 def window_slots(requests: int, host_window: int, chunk: int, slack: int) -> int:
-    """Window slots for ``requests`` running requests, what the window pool gets unless ``--swa-full-tokens-ratio``
-    says otherwise: each keeps its last ``host_window`` tokens, its last prefill chunk (:func:`window_requests`) and
-    ``slack`` more (the tokens decoded since SGLang last freed the ones out of its window, and page rounding), and two
-    more chunks are being prefilled (the overlap scheduler runs one batch ahead)."""
+    """Window slots for ``requests`` running requests at worst, what the window pool gets unless
+    ``--swa-full-tokens-ratio`` says otherwise. Besides its last ``host_window`` tokens a request keeps there the
+    last chunk of its prefill (up to ``chunk``: ``--chunked-prefill-size``) until it ends, since the radix tree locks
+    a request's window by whole nodes and a prefill inserts one node a chunk (with chunks of 8,192, 11 requests of 32K
+    prompts filled 83,885 window slots on an H100), and ``slack`` more (the tokens decoded since SGLang last freed
+    those out of its window, and page rounding); two more chunks are being prefilled (the overlap scheduler runs one
+    batch ahead). A request that finds too little room waits."""
     return requests * (host_window + chunk + slack) + 2 * chunk
+
+
+def window_requests(slots: int, host_window: int, chunk: int, slack: int) -> int:
+    """The requests a window pool of ``slots`` holds at worst: :func:`window_slots`'s inverse."""
+    return max(0, slots - 2 * chunk) // (host_window + chunk + slack)
 
 
 def host_reserve(device) -> int:

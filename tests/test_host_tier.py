@@ -6,7 +6,7 @@ import torch
 
 from sgl_sparsekv.config import ConfigError
 from sgl_sparsekv.host_tier import (HOST_RESERVE_BYTES, HostKV, host_budget, host_reserve, layer_pattern, prefix_slots,
-                                   window_requests)
+                                   window_requests, window_slots)
 
 
 def test_rows_hold_the_last_write_of_each_slot():
@@ -90,11 +90,15 @@ def test_host_budget_leaves_the_reserve_to_the_rest_of_the_server():
 
 
 def test_window_requests_count_each_requests_last_prefill_chunk():
-    """The window pool of the H100 capacity run (83,885 slots, window 1024, chunks of 8,192) holds 9 requests at
-    worst (it ran 11, their last chunks shorter); with 2,048-token chunks 27; without chunking the window alone."""
-    assert window_requests(83885, 1024, 8192) == 9
-    assert window_requests(83885, 1024, 2048) == 27
-    assert window_requests(83885, 1024, 0) == 81
+    """The window pool of the H100 capacity run (83,885 slots, window 1024, chunks of 8,192, 130 slots of slack)
+    holds 7 requests at worst (it ran 11, their last chunks shorter); with 2,048-token chunks 24; without chunking
+    the window and slack alone. The pool the plan sizes for 32 requests holds 32, and no more."""
+    assert window_requests(83885, 1024, 8192, 130) == 7
+    assert window_requests(83885, 1024, 2048, 130) == 24
+    assert window_requests(83885, 1024, 0, 130) == 72
+    slots = window_slots(32, 1024, 2048, 130)
+    assert slots == 106_560
+    assert window_requests(slots, 1024, 2048, 130) == 32 and window_requests(slots - 1, 1024, 2048, 130) == 31
 
 
 @pytest.mark.parametrize("dense, layers", [(2, 30), (1, 2)])
