@@ -2,7 +2,7 @@
 budget 256; a few dozen requests with aborts, disconnects, evictions and shared prefixes; every check of the full run
 must hold. With --page-size 16 SGLang allocates KV and matches prefixes in pages of 16 tokens, while sparse-kv reads
 KV by token slot: the same checks cover it, and with fp8 KV (--kv-cache-dtype fp8_e4m3), which the sparse kernels
-dequantize on load."""
+dequantize on load. And the host tier's window pool under more requests than it was sized for."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.server import run_driver
+from bench.server import Server, run_driver
 
 ROOT = Path(__file__).resolve().parents[1]
 MKMODEL = ROOT / ".gpu-bundle" / "mkmodel.py"
@@ -85,3 +85,26 @@ def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
     # the second of two requests over one prefix, sent one after the other, adopted the first's cached index (a
     # shared segment) and clustered only its own chunks: under the load two such requests may share a prefill batch
     assert res["shared_prefix_pair"] == {"index_builds": [1], "index_reused": [1], "index_extends": [1]}
+
+
+@pytest.mark.e2e
+def test_host_tier_window_pool_for_fewer_requests_than_arrive(smollm2_dir):
+    """At its defaults the tier's window pool holds the windows of the requests it runs, here 2: 2 x (256 + 256 +
+    130) + 2 x 256 = 1,796 slots (host_tier.window_slots), where 6 prompts of 0.9-1.6K tokens arrive at once. They
+    queue for room, all finish, and their greedy tokens past the budget equal plain lychee's."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randrange(900, 1600))] for _ in range(6)]
+    outputs = {}
+    tier = ["--max-running-requests", "2", "--chunked-prefill-size", "256"]
+    for name, cfg, extra in (("tier", {"host_tier": True, "host_window": 256}, tier), ("plain", {}, [])):
+        extra = ["--max-total-tokens", "16384", *extra]
+        server = Server(smollm2_dir, "lychee", {"token_budget": 256, **cfg}, extra=extra)
+        with server as srv, ThreadPoolExecutor(len(prompts)) as pool:
+            outputs[name] = list(pool.map(lambda p: srv.generate_ids(p, 40, ignore_eos=True)["output_ids"], prompts))
+            if name == "tier":
+                st = srv.stats()
+                assert st["window_slots"] == 1796 < sum(map(len, prompts)) and st["sparse_steps"] > 0
+    assert outputs["tier"] == outputs["plain"]
