@@ -167,10 +167,9 @@ class SparseKVAttnBackend(AttentionBackend):
 
             from sgl_sparsekv.patches import host_tier
 
-            sa = runner.server_args
-            self.host = host_tier.install(pool, cfg, runner.model_config.num_hidden_layers,
-                                          psutil.virtual_memory().available, sa.chunked_prefill_size or 0,
-                                          host_tier.window_slack(sa))
+            mc = runner.model_config
+            self.host = host_tier.install(pool, cfg, mc.num_hidden_layers, psutil.virtual_memory().available,
+                                          host_tier.window_terms(runner.server_args, mc.context_len))
             self.window_rows = functools.partial(host_tier.window_rows, pool)
         start = pool.start_layer or 0
         k0 = pool.get_key_buffer(start)

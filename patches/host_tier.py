@@ -47,19 +47,22 @@ def add_model_overrides(server_args, cfg: SparseKVConfig, num_layers: int | None
     server_args.json_model_override_args = json.dumps({**given, **ours})
 
 
-def window_slack(server_args) -> int:
-    """Window slots a request holds beyond its window and last prefill chunk (``host_tier.window_slots``): the tokens
-    SGLang decodes between freeing those out of a window (``SGLANG_SWA_EVICTION_INTERVAL``) and two pages."""
+def window_terms(server_args, context_len: int) -> tuple[int, int]:
+    """This server's ``chunk`` and ``slack`` of ``host_tier.window_slots``: its prefill chunk (without chunked
+    prefill a prompt is one chunk, as long as the context), and the tokens SGLang decodes between freeing those out
+    of a window (``SGLANG_SWA_EVICTION_INTERVAL``) plus two pages."""
     from sglang.srt.environ import envs
 
-    return envs.SGLANG_SWA_EVICTION_INTERVAL.get() + 2 * (server_args.page_size or 1)
+    chunk = server_args.chunked_prefill_size
+    chunk = chunk if (chunk or 0) > 0 else context_len
+    return chunk, envs.SGLANG_SWA_EVICTION_INTERVAL.get() + 2 * (server_args.page_size or 1)
 
 
-def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, chunk: int, slack: int) -> HostKV:
+def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, terms: tuple[int, int]) -> HostKV:
     """Give ``pool`` (SGLang's SWAKVPool) a host pool for its sparse layers: writes go through to it, and those
     layers' key and value buffers become the host pool's (by full KV slot). Refuses with one line what cannot
-    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``. ``chunk``, ``slack``: SGLang's chunked
-    prefill size and :func:`window_slack` (the log says how many requests the window pool holds)."""
+    fit in ``available_bytes`` of host memory, or in ``host_memory_gb``. ``terms``: :func:`window_terms` (the log
+    says how many requests the window pool holds)."""
     if not isinstance(pool, SWAKVPool):
         raise ConfigError(f"--sparse-kv {cfg.method}: host_tier needs SGLang's hybrid sliding-window KV pool, got "
                           f"{type(pool).__name__}")
@@ -114,7 +117,7 @@ def install(pool, cfg: SparseKVConfig, num_layers: int, available_bytes: int, ch
     logger.info("sparse-kv: host tier of %.2f GiB for %d sparse layers x %d tokens; the device keeps their last %d "
                 "tokens per request (%d window slots: room for %d requests at worst, each also holding its last "
                 "prefill chunk of up to %d tokens there)", host.nbytes / 2**30, len(sparse), rows, cfg.host_window,
-                swa.size, window_requests(swa.size, cfg.host_window, chunk, slack), chunk)
+                swa.size, window_requests(swa.size, cfg.host_window, *terms), terms[0])
     return host
 
 

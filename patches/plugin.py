@@ -74,12 +74,12 @@ def charge_index_memory_swa(result, configurator, runner, *args, **kwargs):
     # no more full slots than the host pool holds (read by reserve_index_cache)
     configurator.sparse_kv_host_slots = host_budget(cfg.host_memory_gb, psutil.virtual_memory().available,
                                                     host_reserve(runner.device)) // host_per_slot
+    owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
     if str(runner.device) == "cpu":
         # the CPU engine's KV pools live in host memory too: the host pool is charged per full slot, as SGLang
         # charges the windowed layers' device slots
         configurator._cell_size += host_per_slot
-    owners = min(MAX_RUNNING, runner.server_args.max_running_requests)
-    if str(runner.device) != "cpu":   # the decode's hot buffers, one set per request SGLang can run, on the device
+    else:   # the decode's hot buffers, one set per request SGLang can run, are set aside on the device
         configurator.sparse_kv_reserved_bytes += HotBuffers.bytes_for(cfg, owners, configurator._swa_layers_num,
                                                                       configurator._swa_per_token)
     size_window_pool(configurator, runner, cfg.host_window, owners)
@@ -93,16 +93,14 @@ def size_window_pool(configurator, runner, host_window: int, requests: int) -> N
     from sglang.srt.server_args import ServerArgs
 
     from sgl_sparsekv.host_tier import window_slots
-    from sgl_sparsekv.patches.host_tier import window_slack
+    from sgl_sparsekv.patches.host_tier import window_terms
 
     if configurator._swa_full_tokens_ratio != ServerArgs.swa_full_tokens_ratio:
         return   # the operator's ratio (SGLang tells its default apart the same way)
     sa = runner.server_args
     page = sa.page_size or 1
-    # without chunked prefill a prompt is one chunk, as long as the context
-    chunk = sa.chunked_prefill_size if (sa.chunked_prefill_size or 0) > 0 else runner.model_config.context_len
-    slots = window_slots(requests, host_window, chunk, window_slack(sa))
-    slots = -(-slots // page) * page
+    chunk, slack = window_terms(sa, runner.model_config.context_len)
+    slots = -(-window_slots(requests, host_window, chunk, slack) // page) * page
     per_slot = configurator._swa_per_token * configurator._swa_layers_num
     configurator._cell_size -= configurator._swa_full_tokens_ratio * per_slot
     configurator.sparse_kv_reserved_bytes += slots * per_slot

@@ -507,6 +507,17 @@ def test_host_tier_window_pool_holds_its_requests_windows(monkeypatch, ratio):
         reserve_index_cache(original, conf, conf.sparse_kv_reserved_bytes, 1)
 
 
+@pytest.mark.parametrize("chunk, page, want", [(2048, 1, (2048, 130)), (-1, 1, (32768, 130)),
+                                              (None, 16, (32768, 160))])
+def test_window_terms_read_the_servers_prefill_chunk_and_slack(chunk, page, want):
+    """The window rule's terms, one helper for the memory plan and the startup log: without chunked prefill (-1, or
+    none resolved) a prompt is one chunk as long as the context; the slack is SGLang's 128 decoded tokens between
+    window evictions and two pages."""
+    from sgl_sparsekv.patches.host_tier import window_terms
+
+    assert window_terms(SimpleNamespace(chunked_prefill_size=chunk, page_size=page), 32768) == want
+
+
 def test_expansion_is_coarse_expand_raised_to_the_floor():
     """Budget 1024 (944 retrieved) keeps coarse_expand's 32 x 944 tokens; budget 256 (176) expands the floor's
     30000 tokens, not 32 x 176; floor 0 is coarse_expand alone."""
