@@ -93,8 +93,9 @@ DELTAS = ("index_builds", "index_reused", "index_extends", "grafts", "sparse_ste
           "decode_prepare_s", "index_build_s", "index_release_s", "decode_host_syncs", "prepare_frees_s",
           "prepare_cut_s", "prepare_place_s", "prepare_graft_s", "build_keys_s", "build_cluster_s", "build_load_s",
           "extend_wait_s", "build_chunks", "extend_chunks", "num_alloc_retries", "num_device_alloc", "num_device_free",
-          # the host tier's: selected (layer, KV head) rows found and loaded, and the bytes loaded
-          "hot_rows_hit", "hot_rows_loaded", "host_to_device_bytes")
+          # the host tier's: selected (layer, KV head) rows found and loaded, the bytes loaded, and the prefix rows
+          # its prefills staged from the window pool and over the bus
+          "hot_rows_hit", "hot_rows_loaded", "host_to_device_bytes", "staged_rows_near", "staged_rows_far")
 
 
 def write_shape(model_dir: str, name: str) -> str:

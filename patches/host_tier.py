@@ -141,6 +141,7 @@ def gauges(host: HostKV, allocator, hot):
                 "window_slots_used": allocator.size_swa - allocator.swa_available_size(),
                 "hot_buffer_bytes": sum(b.nbytes for b in buffers), "hot_rows_hit": hit, "hot_rows_loaded": loaded,
                 "host_to_device_bytes": loaded * host.row_bytes,
+                **dict(zip(("staged_rows_near", "staged_rows_far"), host.staged_near_far.tolist())),
                 "hot_chunks_dropped": sum(int(b.dropped[0]) for b in buffers)}
 
     return read

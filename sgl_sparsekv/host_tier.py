@@ -155,6 +155,9 @@ class HostKV:
         self.mark = torch.full((rows,), -1, dtype=torch.int32, device=device)   # a row's last stage (stage_rows)
         self.gen = -1
         self._stage_rows = stage_rows if device.type == "cuda" else stage_rows_ref
+        # rows the stages copied from the window pool and over the bus, counted at the first sparse layer (every
+        # sparse layer copies the same rows), on the reader device so that no prefill waits for the count
+        self.staged_near_far = torch.zeros(2, dtype=torch.int64, device=device)
 
     @staticmethod
     def bytes_for(layers: int, rows: int, heads: int, head_dim: int, itemsize: int) -> int:
@@ -202,6 +205,10 @@ class HostKV:
         i = self.layer_of[layer_id]
         self._stage_rows(self.k_at[i], self.v_at[i], self.stage_k, self.stage_v, slots, self.mark, self.gen, near)
         self.staged = layer_id
+        if i == 0 and slots.numel():
+            copied = self.mark == self.gen   # each row once, however many of the batch's requests name it
+            close = copied & (near[2][:copied.shape[0]] != 0) if near is not None else torch.zeros_like(copied)
+            self.staged_near_far += torch.stack([close.sum(), copied.sum() - close.sum()])
 
     def unstage(self) -> None:
         self.staged = None

@@ -93,6 +93,9 @@ GAUGES = {
     "hot_rows_loaded": "Token rows of selected chunks loaded from the host pool (host_tier).",
     "host_to_device_bytes": "Bytes those loads moved from the host pool to the device, keys and values (host_tier).",
     "hot_chunks_dropped": "Selected chunks a token list left out, past the hot slots of its request (host_tier).",
+    "staged_rows_near": "Prefix rows prefills staged from the window pool on the device, per sparse layer "
+                        "(host_tier).",
+    "staged_rows_far": "Prefix rows prefills staged from the host pool over the bus, per sparse layer (host_tier).",
 }
 # what Prometheus exports, by snapshot key: its help text
 EXPORTED = {**{f.name: f.metadata["doc"] for f in Counters.__dataclass_fields__.values() if f.metadata["export"]},

@@ -246,6 +246,8 @@ def test_host_tier_decodes_as_plain_pools(dp_run, sparse, smollm2_tokenizer):
     assert 0 < stats["window_slots_used"] <= stats["window_slots"] and stats["host_rows_used"] >= PASSKEY_LEN
     assert stats["host_kv_bytes"] == 2 * 28 * (int(POOL) + 1) * 3 * 64 * 4   # 28 sparse layers, 3 KV heads, fp32 KV
     assert stats["host_to_device_bytes"] == stats["hot_rows_loaded"] * 2 * 64 * 4   # a row's key and value, fp32
+    # the prefills' stages (chunks of 256) found earlier chunks of their prompts still in the window pool
+    assert stats["staged_rows_near"] > 0 and stats["staged_rows_near"] + stats["staged_rows_far"] > PASSKEY_LEN
 
 
 def test_idle_state_without_further_requests(sparse):

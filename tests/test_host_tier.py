@@ -75,6 +75,27 @@ def test_stage_serves_a_layers_readers_until_unstaged():
     assert host.stage_nbytes == 2 * rows * heads * d * 4
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_stages_count_the_rows_they_copy_from_the_window_pool_and_over_the_bus(device):
+    """Counted once a stage round, at the first sparse layer, each row once however many requests name it: of rows
+    3, 9 and 30, two still have window rows; a later layer's stage of the same rows adds nothing (on a GPU: the
+    stage kernel from pinned rows)."""
+    rows, heads, d = 40, 2, 4
+    host = HostKV([1, 2], rows, heads, d, torch.float32, torch.float32, device=device)
+    host.write(1, torch.arange(rows, device=device), torch.randn(rows, heads, d, device=device),
+               torch.randn(rows, heads, d, device=device))
+    near_of = torch.zeros(rows + 2, dtype=torch.int64)
+    near_of[[3, 30]] = torch.tensor([5, 1])
+    window = tuple(t.to(device) for t in (torch.randn(8, heads, d), torch.randn(8, heads, d), near_of))
+    prefix = torch.tensor([3, 9, 3, 30, 9], dtype=torch.int64, device=device)
+    host.stage(1, prefix, window)
+    assert torch.equal(host.stage_k[3], window[0][5]) and torch.equal(host.stage_k[9].cpu(), host.k[0][9])
+    host.stage(2, prefix, window)
+    assert host.staged_near_far.tolist() == [2, 1]
+    host.stage(1, torch.tensor([9, 12], dtype=torch.int64, device=device))   # no window rows given: over the bus
+    assert host.staged_near_far.tolist() == [2, 3]
+
+
 def test_host_budget_leaves_the_reserve_to_the_rest_of_the_server():
     """Beside a GPU the pool takes 90% of what is available beyond the reserve, or host_memory_gb where that fits in
     it; a size over it is refused in one line (a 96 GiB pool on a host with 114 GiB free was killed mid-serving)."""
