@@ -24,7 +24,7 @@ from sgl_sparsekv.pooled_decode import PooledDecode
 from sgl_sparsekv.request_control import OFF
 from sgl_sparsekv.select import select_chunks, units_to_token_mask
 from sgl_sparsekv.transfer import StagedUpload
-from tests.test_radix_state import LAYERS, SLOTS, D, H, World, synthetic_table
+from tests.test_radix_state import LAYERS, D, H, World, synthetic_table
 
 G = 3
 
