@@ -85,10 +85,14 @@ METHODS = {"off": ("off", {}), "lychee": ("lychee", {}), "quest": ("quest", {}),
            # hit rate on real weights; a host pool that leaves room for the call's other servers (a 0.5B model's
            # sparse layers take 11 KiB a token: 12 GiB hold 32 prompts of 30K)
            **{f"lychee-tier{s}": ("lychee", {"host_tier": True, "host_memory_gb": 12.0, **extra})
-              for s, extra in (("", {}), ("-every-4", {"select_every": 4}))}}
+              for s, extra in (("", {}), ("-every-4", {"select_every": 4}),
+                               ("-ahead-every-4", {"select_every": 4, "select_ahead": True}))},
+           # selection every 4th step, one step ahead (the tier's loads beside the attention), without the tier
+           "lychee-ahead-every-4": ("lychee", {"select_every": 4, "select_ahead": True})}
 # methods served with server flags of their own (the tier: one set of hot buffers per request --concurrency sends)
 SERVER_FLAGS = {**{f"{m}-fp8kv": ["--kv-cache-dtype", "fp8_e4m3"] for m in ("off", "lychee", "quest")},
-                **{m: ["--max-running-requests", "32"] for m in ("lychee-tier", "lychee-tier-every-4")}}
+                **{m: ["--max-running-requests", "32"] for m in ("lychee-tier", "lychee-tier-every-4",
+                                                                 "lychee-tier-ahead-every-4")}}
 CONTEXT = {"smollm2": 8192, "qwen2.5-coder-0.5b": 32768}
 GPU_SERVER = ["--grammar-backend", "none", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.8",
               "--cuda-graph-max-bs", "32"]

@@ -185,6 +185,8 @@ def main():
                     help="the lychee server's recall_audit_every (its audited steps run outside CUDA graphs)")
     ap.add_argument("--select-every", type=int, default=1,
                     help="the lychee servers' select_every (selection every this many decode steps)")
+    ap.add_argument("--select-ahead", action="store_true",
+                    help="the lychee servers' select_ahead (selection for the next step beside the attention)")
     ap.add_argument("--host-tier", type=int, default=0, metavar="WINDOW",
                     help="the lychee server with the host KV tier, keeping the last WINDOW tokens of "
                          "each request on the device, in a window pool of half the KV pool's tokens; prefill chunks "
@@ -202,7 +204,8 @@ def main():
            "budget": z["budget"]}
     cfg = {"token_budget": z["budget"], **({"recall_audit_every": a.recall_audit_every}
                                            if a.recall_audit_every else {}),
-           **({"select_every": a.select_every} if a.select_every > 1 else {})}
+           **({"select_every": a.select_every} if a.select_every > 1 else {}),
+           **({"select_ahead": True} if a.select_ahead else {})}
     tier = []
     if a.host_tier:
         cfg.update(host_tier=True, host_window=a.host_tier)

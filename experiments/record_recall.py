@@ -130,7 +130,9 @@ def sample_recall(model, tok, cfg: SparseKVConfig, chunker: Chunker, sample) -> 
                     split[m] += int((key_kept & ~val_kept).sum())
             cases += H
     return {"dense_right": bool(dense_right), "prompt_tokens": P, "key_tokens": int(key_tok.sum()),
-            "value_tokens": int(val_tok.sum()), "key_value_chunks_apart": int(val_chunks.min() - key_chunks.max()),
+            "value_tokens": int(val_tok.sum()),
+            "key_value_chunks_apart": (int(val_chunks.min() - key_chunks.max()) if len(val_chunks) and len(key_chunks)
+                                       else None),
             "mass": total.tolist(), "kept": {m: v.tolist() for m, v in kept.items()},
             "key_kept_value_dropped": {m: split[m] / cases for m in ("lychee", "lychee_next")}}
 

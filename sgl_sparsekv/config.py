@@ -81,7 +81,8 @@ class SparseKVConfig:
     select_every: int = 1
     # A decode step attends to the token lists its request selected at the step before plus the token decoded
     # since, and selects the next step's lists with its own query beside the attention (a second CUDA stream in
-    # the same graph), so selection leaves the step's critical path (RACC: adjacent steps attend alike).
+    # the same graph), so selection leaves the step's critical path (RACC: adjacent steps attend alike). With
+    # select_every k, every kth step selects so, for the k steps after it; with host_tier, its loads go beside too.
     select_ahead: bool = False
     # Every this many sparse decode steps (0: never), the live recall audit measures, for a few rows past their
     # budget, the share of dense attention's mass the step's selection kept (sgl_sparsekv/recall_audit.py); that
@@ -177,10 +178,8 @@ class SparseKVConfig:
             if self.select_every > 1 and (self.head_roles != "all-retrieval" or self.rerank_factor > 1):
                 raise ConfigError("sparse-kv config: select_every > 1 needs head_roles 'all-retrieval' and "
                                   "rerank_factor 1 (reused token lists are kept per layer for retrieval heads only)")
-            if self.select_ahead and (self.select_every > 1 or self.head_roles != "all-retrieval"
-                                      or self.rerank_factor > 1):
-                raise ConfigError("sparse-kv config: select_ahead needs select_every 1, head_roles 'all-retrieval' "
-                                  "and rerank_factor 1")
+            if self.select_ahead and (self.head_roles != "all-retrieval" or self.rerank_factor > 1):
+                raise ConfigError("sparse-kv config: select_ahead needs head_roles 'all-retrieval' and rerank_factor 1")
         if self.enabled:
             # The recent window must hold the not-yet-indexed buffer (< one unit) and the budget must
             # leave room for at least one retrieved unit beside the sink and the window.
@@ -198,7 +197,7 @@ class SparseKVConfig:
             if self.dense_layers < 1:
                 raise ConfigError("sparse-kv config: host_tier needs dense_layers >= 1 (the dense layers hold every "
                                   "token's KV on the device)")
-            shared = [k for k, on in (("select_ahead", self.select_ahead), ("rerank_factor > 1", self.rerank_factor > 1),
+            shared = [k for k, on in (("rerank_factor > 1", self.rerank_factor > 1),
                                        ("head_roles", self.head_roles != "all-retrieval"),
                                        ("recall_audit_every", self.recall_audit_every > 0)) if on]
             if shared:   # each reads a layer's token lists against another buffer than its hot rows

@@ -330,13 +330,21 @@ class PooledDecode:
         self.own_order = eager and self.first_steps(states, seq_lens)
         m.stats.own_order_steps += self.own_order
         table = []
-        so, room = 0, self.scratch[0].shape[1]
+        so, room, reused = 0, self.scratch[0].shape[1], 0
         batch = {id(st) for st in states}
+        tier = self.tier is not None
         for row, S, state in zip(rows, seq_lens, states):
             if state.budget == OFF:
                 table.append(self._dense_row(row, S, state))
                 continue
             list_row, selected = self._ahead_row(state, S, batch)
+            ring_from = self.tier.take(list_row, state, row, S) if tier else S
+            if selected is not None and not self._due(selected, S):   # its lists serve its next step too
+                state.lists = KeptLists(self, list_row, selected)
+                table.append(StepRow(UNPLACED, row, S, self._budget(state, self.retrieve), 0, 0, list_row, selected,
+                                     ring_from))
+                reused += 1
+                continue
             ranges = _index_ranges(state, so)
             indexed = ranges is not None
             placed = indexed and so + ranges.fines <= room
@@ -356,9 +364,15 @@ class PooledDecode:
             if selected is None:
                 m.stats.unselected_steps += m.needs_sparse(S)
             table.append(StepRow(ranges, row, S, self._budget(state, self.retrieve), selected is None, selects,
-                                 list_row, S if selected is None else selected, S))
-        self._count(table, states, 0)
+                                 list_row, S if selected is None else selected, ring_from))
+        self._count(table, states, reused)
         return table
+
+    def _due(self, selected: int, S: int) -> bool:
+        """select_ahead: whether a request at length ``S`` whose lists were selected at ``selected`` selects for its
+        next step: lists serve the ``select_every`` steps after their selection. With the host tier a list selected
+        within the budget names ring rows of every position, which the ring keeps only for the step after."""
+        return S >= selected + self.every or (self.tier is not None and selected <= self.cfg.token_budget)
 
     def _budget(self, state, server: int) -> int:
         """A row's cut: ``server`` (the server's: retrieved tokens, times the rerank factor for the candidates), or

@@ -217,6 +217,7 @@ class TwinWorld(World):
         self.overflow = set()   # request rows whose step found no room in the selection scratch (dense)
         self.kept = {}   # select_every > 1: (request row, sparse layer) -> (mask, length) at its last selection
         self.reused = 0
+        self.held = 0   # select_ahead with select_every > 1: (request, sparse layer) steps on lists kept further
         self.sparse_steps = 0      # decode steps with a request past the budget
         self.audits_checked = 0    # (audited row, sparse layer) values checked against the spec
         self.audited_rows = 0
@@ -344,7 +345,8 @@ class TwinWorld(World):
     def decode_batch_ahead(self, reqs):
         """select_ahead: a request attends to the spec's lists for its query of the step before (in the same
         layer) plus the token decoded since, or to its whole sequence when it selected nothing then; its lists
-        after the step are the spec's for this step's query."""
+        after the step are the spec's for this step's query. With select_every k the lists serve the k steps after
+        the one that selected them (with the host tier, one step when selected within the budget)."""
         rows, seqs, toks = self.append_tokens(reqs)
         r2t = self.req_pool.req_to_token
         padded = len(rows) + 1
@@ -365,6 +367,7 @@ class TwinWorld(World):
         n = len(rows)
         unselected, selects, list_rows = (t[:n].tolist() for t in (self.decoder.direct, self.decoder.fresh,
                                                                     self.decoder.list_rows))
+        every, tier = self.cfg.select_every, self.decoder.tier is not None
         self.overflow = set()
         for l in range(self.cfg.dense_layers, LAYERS):
             q = torch.randn(padded, H * G, D, generator=self.qgen)
@@ -372,6 +375,7 @@ class TwinWorld(World):
             out = self.decoder.attend(q, self.k[l], self.v[l], sl, r2t, D ** -0.5)
             for i, (row, S) in enumerate(zip(rows, seqs)):
                 own = self.spec_mask(row, S, sl, q[i]) if selects[i] else None
+                due = True
                 if own_order and selects[i]:   # lychee's order: the lists it selects now
                     assert not unselected[i]
                     mask = own
@@ -379,17 +383,22 @@ class TwinWorld(World):
                 elif unselected[i]:
                     mask = torch.ones(H, S, dtype=torch.bool)
                 else:
-                    before, S_sel = self.kept.pop((row, sl))
+                    before, S_sel = self.kept[row, sl]
                     mask = torch.cat([before, torch.ones(H, S - S_sel, dtype=torch.bool)], 1)
                     self.reused += not bool(before.all())
+                    due = S >= S_sel + every or (tier and S_sel <= self.cfg.token_budget)
+                    assert due or not selects[i], (l, row, S, S_sel)
                 ref = sparse_decode(q[i], self.k[l], self.v[l], r2t[row, :S], mask, D ** -0.5)
                 assert torch.allclose(out[i], ref, atol=1e-4), (l, row)
                 self._audit_spec(audited, i, sl, q[i], l, r2t[row, :S], mask)
+                if not (selects[i] or unselected[i] or due):   # its lists serve its next step too
+                    self.held += 1
+                    continue
                 self.kept.pop((row, sl), None)
                 if not selects[i]:
                     continue
                 self.kept[row, sl] = (own, S)
-                for h in range(H):
+                for h in range(H if not tier else 0):   # (with the host tier lists name hot-buffer rows)
                     got = self.decoder.token_list(list_rows[i] * H + h, sl).tolist()
                     want = r2t[row, :S][own[h]].tolist()
                     assert len(got) == len(set(got)) and sorted(got) == sorted(want), (l, row, h)
@@ -687,6 +696,35 @@ def test_select_ahead_attends_to_the_lists_of_the_step_before(seed, steps):
         assert st.unselected_steps == 0 and w.own_steps > 0 and st.own_order_steps > 0
 
 
+@pytest.mark.parametrize("seed,tier", [(0, False), (3, True)])
+def test_select_ahead_every_few_steps_keeps_its_lists_between_selections(seed, tier):
+    """select_ahead with select_every 3: a step that selects writes the lists of the three steps after it, which
+    attend to them plus the tokens decoded since and select nothing, while requests join and leave (served steps:
+    a first decode step runs eagerly in lychee's order). With the host tier the loads come with the selections
+    beside the attention, and a step where no row selects loads nothing."""
+    w = TwinWorld(seed, {"select_ahead": True, "select_every": 3, **({"host_tier": True} if tier else {})},
+                  steps="served")
+    w.rng = random.Random(seed)
+    w.docs = [d * 2 for d in w.docs]
+    w.random_history(16, 0.35, 8, shuffle=True)
+    loads = []
+    for _ in range(30):
+        before = w.decoder.tier.rows_hit_loaded.tolist() if tier else None
+        w.decode_batch(list(w.live))
+        if tier:
+            loads.append((any(w.decoder.fresh[:len(w.live)].tolist()),
+                          w.decoder.tier.rows_hit_loaded.tolist() != before))
+    st = w.pooled.stats
+    assert w.held > 0 and st.reused_list_steps > 0 and st.grafts > 0 and st.dense_fallback_steps == 0
+    assert st.unselected_steps == 0 and w.own_steps > 0
+    if tier:
+        hit, loaded = w.decoder.tier.rows_hit_loaded.tolist()
+        assert loaded > 0 and hit > loaded
+        assert all(fresh or not moved for fresh, moved in loads) and not all(f for f, _ in loads)
+    else:
+        assert w.lists_checked > 100
+
+
 @pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
 def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
     """Requests that keep lists across steps decode a step through the buffers of a batch larger than the captured
@@ -709,6 +747,7 @@ def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
     (False, "all-retrieval", 1, 1, "ball", None), (True, "all-retrieval", 1, 1, "ball", None),
     (False, "staggered-0.5", 1, 1, "ball", None), (True, "staggered-0.5", 2, 1, "ball", None),
     (True, "all-retrieval", 1, 4, "ball", None), (True, "all-retrieval", 1, "ahead", "ball", None),
+    (True, "all-retrieval", 1, "ahead-4", "ball", None),
     (True, "all-retrieval", 1, 1, "box", None), (True, "all-retrieval", 1, 1, "quest", None),
     (True, "staggered-0.5", 2, 1, "ball", [None, 512, OFF])])
 def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank, every, bound, asked, monkeypatch):
@@ -723,14 +762,15 @@ def test_pooled_decode_real_shapes_and_cuda_graph_replay(no_sync, roles, rerank,
     factor (its candidates' keys scored in the graph too). ``every``: select_every (lists kept per layer across
     steps, attended with the tokens decoded since), or "ahead": select_ahead, whose selection and emission run on
     a second stream in the graph; each step attends to the lists the step before left, and leaves the ones the
-    twin selects with this step's query. ``bound``: fine_bound (boxes built, grafted and scored by the kernels), or
-    "quest": the quest method (its pages ranked by their boxes at weight 1, no coarse pruning). ``asked``: the
+    twin selects with this step's query ("ahead-4": every 4th step selects, for the 4 steps after it).
+    ``bound``: fine_bound (boxes built, grafted and scored by the kernels), or "quest": the quest method (its pages
+    ranked by their boxes at weight 1, no coarse pruning). ``asked``: the
     requests' own budgets (``request_control``: the server's, 512, dense) in one captured graph."""
     from sgl_sparsekv.config import SparseKVConfig
     from sgl_sparsekv.patches.backend import join_after_forward
 
-    ahead = every == "ahead"
-    every = 1 if ahead else every
+    ahead = str(every).startswith("ahead")
+    every = int(every[6:] or 1) if ahead else every
     if no_sync:
         monkeypatch.setattr("sgl_sparsekv.manager.DEBUG", False)
         monkeypatch.setattr("sgl_sparsekv.pooled_decode.DEBUG", False)

@@ -54,14 +54,16 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("every", [1, 4])
+@pytest.mark.parametrize("every", [1, 4, "ahead-4"])
 def test_stress_host_tier_on_the_gpu(tmp_path, every):
     """The host KV tier on the GPU: the sparse layers' KV of every token in registered host memory, which the
     prefill, the index and the hot buffers' loads read over the bus, the decode in CUDA graphs up to a batch of 8;
     the same checks, greedy tokens within the budget equal a dense server's and past it a plain lychee server's
-    (with select_every 4 both servers select every 4th step, the tier's tails read from its rings)."""
+    (with select_every 4 both servers select every 4th step, the tier's tails read from its rings; "ahead-4": and
+    select ahead, the loads beside the attention on a second stream)."""
+    ahead = str(every).startswith("ahead")
     res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--host-tier", "256",
-                 "--select-every", str(every))
+                 "--select-every", str(every).removeprefix("ahead-"), *(["--select-ahead"] if ahead else []))
     st = res["stats_idle"][0]
     assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
     assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
@@ -93,10 +95,13 @@ def test_stress_on_the_cpu_engine(tmp_path, smollm2_dir):
 
 
 @pytest.mark.e2e
-def test_host_tier_window_pool_for_fewer_requests_than_arrive(smollm2_dir):
+@pytest.mark.parametrize("select", [{}, {"select_every": 4, "select_ahead": True}])
+def test_host_tier_window_pool_for_fewer_requests_than_arrive(smollm2_dir, select):
     """At its defaults the tier's window pool holds the windows of the requests it runs, here 2: 2 x (256 + 256 +
     130) + 2 x 256 = 1,796 slots (host_tier.window_slots), where 6 prompts of 0.9-1.6K tokens arrive at once. They
-    queue for room, all finish, and their greedy tokens past the budget equal plain lychee's."""
+    queue for room, all finish, and their greedy tokens past the budget equal plain lychee's. Also with selection
+    every 4th step, one step ahead (both servers): the tier then loads beside the attention what the lists for the
+    next 4 steps miss."""
     import random
     from concurrent.futures import ThreadPoolExecutor
 
@@ -106,10 +111,11 @@ def test_host_tier_window_pool_for_fewer_requests_than_arrive(smollm2_dir):
     tier = ["--max-running-requests", "2", "--chunked-prefill-size", "256"]
     for name, cfg, extra in (("tier", {"host_tier": True, "host_window": 256}, tier), ("plain", {}, [])):
         extra = ["--max-total-tokens", "16384", *extra]
-        server = Server(smollm2_dir, "lychee", {"token_budget": 256, **cfg}, extra=extra)
+        server = Server(smollm2_dir, "lychee", {"token_budget": 256, **select, **cfg}, extra=extra)
         with server as srv, ThreadPoolExecutor(len(prompts)) as pool:
             outputs[name] = list(pool.map(lambda p: srv.generate_ids(p, 40, ignore_eos=True)["output_ids"], prompts))
             if name == "tier":
                 st = srv.stats()
                 assert st["window_slots"] == 1796 < sum(map(len, prompts)) and st["sparse_steps"] > 0
+                assert (st["reused_list_steps"] > 0) == bool(select)
     assert outputs["tier"] == outputs["plain"]
