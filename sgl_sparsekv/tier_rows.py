@@ -65,8 +65,9 @@ class HotBuffers:
         """(hot slots, ring rows) of one owner in one layer."""
         retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
         # one selection names at most retrieve / chunk_min chunks (plus a partial one and the sink); twice that
-        # keeps the chunks of the steps before. A row within the budget reads its whole sequence from its ring.
-        return 2 * (retrieve // cfg.chunk_min + 2), cfg.token_budget
+        # keeps the chunks of the steps before. A row within the budget reads its whole sequence from its ring;
+        # with select_ahead a list selected at the budget's length serves the step after it, one token longer.
+        return 2 * (retrieve // cfg.chunk_min + 2), cfg.token_budget + cfg.select_ahead
 
     @classmethod
     def bytes_for(cls, cfg, owners: int, layers: int, token_bytes: int) -> int:

@@ -725,6 +725,21 @@ def test_select_ahead_every_few_steps_keeps_its_lists_between_selections(seed, t
         assert w.lists_checked > 100
 
 
+@pytest.mark.parametrize("every,tier", [(1, True), (3, True), (3, False)])
+def test_select_ahead_across_the_budget(every, tier):
+    """select_ahead: a list selected within the budget names every position and serves the step after it. With the
+    host tier it reads them from its owner's ring, which takes that step's token as well (so the ring is one token
+    longer than the budget). Across the budget's edge (a request of budget - 3 tokens decoding past it) every step
+    attends to every position it should."""
+    w = TwinWorld(5, {"select_ahead": True, "select_every": every, **({"host_tier": True} if tier else {})},
+                  steps="served")
+    budget = w.cfg.token_budget
+    w.start([w.rng.randrange(64) for _ in range(budget - 3)])
+    for _ in range(8):
+        w.decode_batch(list(w.live))
+    assert w.sparse_steps > 0 and w.pooled.stats.unselected_steps == 0
+
+
 @pytest.mark.parametrize("keep", [{"select_every": 3}, {"select_ahead": True}])
 def test_kept_lists_survive_a_batch_past_the_captured_sizes(keep):
     """Requests that keep lists across steps decode a step through the buffers of a batch larger than the captured
