@@ -217,17 +217,14 @@ class PooledDecode:
 
     def _list_row(self, state, S: int, i: int, batch: set[int]) -> tuple[int, int, int]:
         """(list row, fresh, tail_from) of a request at length ``S`` in batch row ``i``: it selects anew when its
-        lists are ``select_every`` steps old or it holds no list row (a new request, or its row was taken). With
-        the host tier a request keeps its list row (its hot buffers) at every period, and its tail is read from its
-        ring, which keeps the positions a list selected within the budget holds only while it is that list's step
-        (the ring is ``token_budget`` long): such a list is selected anew each step."""
+        lists are due (:meth:`_due`) or it holds no list row (a new request, or its row was taken). With the host
+        tier a request keeps its list row (its hot buffers) at every period, and its tail is read from its ring."""
         if self.every == 1 and self.tier is None:
             return i, 1, S
         r = self._held_row(state)
         if r is None:
             r = self._claim(state, batch)
-        elif S - state.lists.selected_at < self.every and (self.tier is None
-                                                            or state.lists.selected_at > self.cfg.token_budget):
+        elif not self._due(state.lists.selected_at, S):
             return r, 0, state.lists.selected_at
         state.lists = KeptLists(self, r, S)
         return r, 1, S
@@ -369,9 +366,11 @@ class PooledDecode:
         return table
 
     def _due(self, selected: int, S: int) -> bool:
-        """select_ahead: whether a request at length ``S`` whose lists were selected at ``selected`` selects for its
-        next step: lists serve the ``select_every`` steps after their selection. With the host tier a list selected
-        within the budget names ring rows of every position, which the ring keeps only for the step after."""
+        """Whether a request at length ``S`` whose lists were selected at length ``selected`` selects anew (for this
+        step, or with select_ahead for its next): lists serve ``select_every`` steps. With the host tier a list
+        selected within the budget names ring rows of every position, which the ring (``token_budget`` long, one
+        more with select_ahead) keeps only for the step that list serves first: such a list is selected anew each
+        step."""
         return S >= selected + self.every or (self.tier is not None and selected <= self.cfg.token_budget)
 
     def _budget(self, state, server: int) -> int:
