@@ -183,6 +183,7 @@ KINDS = (("gpu_serving", "serving through the real server (bench.gpu_serving)"),
          ("retrieval_heads", "exact top-k retrieval heads (retired experiment)"),
          ("selection_reuse", "selection reuse across steps (experiments/selection_reuse.py)"),
          ("record_recall", "record key/value recall (experiments/record_recall.py)"),
+         ("tier_hit_rate", "the host tier's hit rate in steady decode (experiments/tier_hit_rate.py)"),
          ("", "a one-off probe (retired experiment)"))
 
 
