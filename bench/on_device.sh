@@ -33,8 +33,22 @@ install() {   # the plugin the servers load: the checkout at $1, editable
 case "$1" in
   tests)   # further words go to pytest in place of "tests": split the suite over calls on a fresh machine
     shift
+    # beside the tests, on the CPU: FlashInfer's kernels for the serving model (bf16, head_dim 128), which the first
+    # server of a fresh machine otherwise builds for about 4 minutes (a BASE comparison's first run lost its 285 s)
+    timeout 540 python3 - > "$OUT/flashinfer_warm.log" 2>&1 <<'EOF' &
+import torch
+from flashinfer.jit.attention.modules import gen_batch_prefill_module
+from flashinfer.jit.cascade import gen_cascade_module
+from flashinfer.jit.quantization import gen_quantization_module
+bf = torch.bfloat16
+for spec in [gen_batch_prefill_module(b, bf, bf, bf, torch.int32, 128, 128, 0, False, False, False)
+             for b in ("fa2", "fa3")] + [gen_cascade_module(), gen_quantization_module()]:
+    print(spec.name, "built before" if spec.is_compiled else "building", flush=True)
+    spec.build(verbose=False)
+EOF
     timeout 560 python3 -m pytest -m gpu -q "${@:-tests}" -p no:cacheprovider --durations=12 2>&1 \
-      | tee "$OUT/gpu_tests.log" | tail -25 ;;
+      | tee "$OUT/gpu_tests.log" | tail -25
+    wait; tail -4 "$OUT/flashinfer_warm.log" ;;
   serve)
     name=$2; methods=$3; workload=$4; shift 4
     [ -d /tmp/m8b ] || python3 .gpu-bundle/mkmodel.py /tmp/m8b llama3-8b > /dev/null
