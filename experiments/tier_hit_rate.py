@@ -1,7 +1,7 @@
-"""The host tier's hot-buffer hit rate in steady decode on real weights (issue #93's >= 90%): SmolLM2 through the
-real server on the CPU engine, dev prompts of one task family each, long sampled outputs (``ignore_eos``), polling
-``/server_info``'s ``hot_rows_hit`` / ``hot_rows_loaded`` so that each request's first selection, which finds its
-buffers empty, is counted apart from the steps after it. One-off: what it decided is in docs/RESULTS.md.
+"""The host tier's hot-buffer hit rate in steady decode on real weights (issue #93's >= 90%): SmolLM2 or
+Qwen2.5-Coder-0.5B through the real server on the CPU engine, dev prompts of one task family each, long sampled
+outputs (``ignore_eos``), polling ``/server_info``'s ``hot_rows_hit`` / ``hot_rows_loaded`` so that each request's
+first selection, which finds its buffers empty, is counted apart from the steps after it. One-off: what it decided is in docs/RESULTS.md.
 
     python -m experiments.tier_hit_rate --model models/smollm2 --out /tmp/hit.json
 
@@ -79,15 +79,16 @@ def main():
         polls.append({"t": time.time(), **{k: srv.stats().get(k, 0) for k in polls[0] if k != "t"}})
     steps = [p["sparse_steps"] + p["dense_steps"] for p in polls]
     warm = next((p for p, s in zip(polls, steps) if s >= a.warm_steps), polls[0])
-    res = {"model": a.model, "config": cfg, "sampling": [a.temperature, 0.95, a.frequency_penalty], "length": a.length, "tasks": names, "prompt_tokens": [len(p) for p in prompts],
+    res = {"model": a.model, "config": cfg, "sampling": [a.temperature, 0.95, a.frequency_penalty],
+           "length": a.length, "tasks": names, "prompt_tokens": [len(p) for p in prompts],
            "out_tokens": a.out_tokens, "wall_s": round(time.time() - t0, 1), "warm_steps": a.warm_steps,
            "hit_rate_all": rate({k: 0 for k in polls[0]}, polls[-1]), "hit_rate_steady": rate(warm, polls[-1]),
            "steps": steps[-1], "final": polls[-1],
            "outputs_tokens": [o["meta_info"]["completion_tokens"] for o in outs],
-           # long greedy outputs of a small model may loop, which makes selections repeat: look at them
            "outputs_head": [o["text"][:300] for o in outs]}
     # the rate over each stretch between polls, to see whether it settles
-    res["hit_rate_by_poll"] = [(s, rate(p, q)) for p, q, s in zip(polls, polls[1:], steps[1:]) if rate(p, q) is not None]
+    res["hit_rate_by_poll"] = [(s, r) for p, q, s in zip(polls, polls[1:], steps[1:])
+                               if (r := rate(p, q)) is not None]
     print(json.dumps({k: v for k, v in res.items() if k != "hit_rate_by_poll"}, indent=1))
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
