@@ -1,7 +1,8 @@
 """The host tier's hot-buffer hit rate in steady decode on real weights (issue #93's >= 90%): SmolLM2 or
 Qwen2.5-Coder-0.5B through the real server on the CPU engine, dev prompts of one task family each, long sampled
 outputs (``ignore_eos``), polling ``/server_info``'s ``hot_rows_hit`` / ``hot_rows_loaded`` so that each request's
-first selection, which finds its buffers empty, is counted apart from the steps after it. One-off: what it decided is in docs/RESULTS.md.
+first selection, which finds its buffers empty, is counted apart from the steps after it. One-off: what it decided
+is in docs/RESULTS.md.
 
     python -m experiments.tier_hit_rate --model models/smollm2 --out /tmp/hit.json
 
