@@ -447,14 +447,17 @@ def test_pooled_decode_equals_spec_under_radix_history(seed, overrides, method, 
     assert all(a.free_rows == a.capacity for a in w.pooled.pools.alloc.values())
 
 
-@pytest.mark.parametrize("seed,method,every", [(7, "lychee", 1), (8, "quest", 1), (9, "lychee", 3)])
-def test_host_tier_decodes_from_hot_buffers_as_the_spec(seed, method, every):
+@pytest.mark.parametrize("seed,method,every,kv_dtype", [(7, "lychee", 1, torch.float32), (8, "quest", 1, torch.float32),
+                                                         (9, "lychee", 3, torch.float32), (10, "lychee", 3, FP8)])
+def test_host_tier_decodes_from_hot_buffers_as_the_spec(seed, method, every, kv_dtype):
     """With the host tier each step's attention reads the hot buffers (``tier_rows``): the selected chunks loaded from
     the host pool where they miss, the tail from each request's ring, a row without its index the host pool itself;
     every output is the spec's, under the same radix history as the plain pools, and chunks stay hot across steps.
     With select_every 3 a request attends between its selections to its kept lists plus the tokens decoded since,
-    read from its ring, and loads nothing at those steps."""
-    w = TwinWorld(seed, {"host_tier": True, **({"select_every": every} if every > 1 else {})}, method=method)
+    read from its ring, and loads nothing at those steps. With fp8 KV the host rows, the hot buffers and the ring hold
+    the stored fp8 bytes, which the attention reads as the plain pools' are read."""
+    w = TwinWorld(seed, {"host_tier": True, **({"select_every": every} if every > 1 else {})}, method=method,
+                  kv_dtype=kv_dtype)
     w.rng = random.Random(seed)
     w.random_history(14, 0.4, 12)
     loads = []

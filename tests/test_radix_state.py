@@ -44,7 +44,8 @@ class World:
         cfg = SparseKVConfig.from_method(method, {"token_budget": 128, "dense_layers": 1, "recent_window": 32,
                                                   **(overrides or {})})
         self.cfg = cfg
-        self.manager = SparseKVManager(cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table())
+        self.manager = SparseKVManager(cfg, LAYERS, H, D, SLOTS + 1, boundary_table=synthetic_table(),
+                                       kv_dtype=kv_dtype)   # as the server passes its pool's (fp8 when quantized)
         self.req_pool = ReqToTokenPool(size=8, max_context_len=1024, device="cpu", enable_memory_saver=False)
         self.alloc = TokenToKVPoolAllocator(SLOTS, torch.float32, "cpu", kvcache=None, need_sort=False)
         self.radix = RadixCache(CacheInitParams(disable=False, req_to_token_pool=self.req_pool,

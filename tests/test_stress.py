@@ -54,16 +54,20 @@ def test_stress_small(tmp_path, tp, page_size, kv_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("every", [1, 4, "ahead-4"])
-def test_stress_host_tier_on_the_gpu(tmp_path, every):
+@pytest.mark.parametrize("every,kv_dtype", [pytest.param(1, "auto", id="1"), pytest.param(4, "auto", id="4"),
+                                            pytest.param("ahead-4", "auto", id="ahead-4"),
+                                            pytest.param(4, "fp8_e4m3", id="4-fp8")])
+def test_stress_host_tier_on_the_gpu(tmp_path, every, kv_dtype):
     """The host KV tier on the GPU: the sparse layers' KV of every token in registered host memory, which the
     prefill, the index and the hot buffers' loads read over the bus, the decode in CUDA graphs up to a batch of 8;
     the same checks, greedy tokens within the budget equal a dense server's and past it a plain lychee server's
     (with select_every 4 both servers select every 4th step, the tier's tails read from its rings; "ahead-4": and
-    select ahead, the loads beside the attention on a second stream)."""
+    select ahead, the loads beside the attention on a second stream; "4-fp8": with fp8 KV, whose stored bytes the host
+    pool, the hot buffers and the rings hold)."""
     ahead = str(every).startswith("ahead")
     res = stress(tmp_path, "--size", "small", "--model", tiny_model(tmp_path), "--host-tier", "256",
-                 "--select-every", str(every).removeprefix("ahead-"), *(["--select-ahead"] if ahead else []))
+                 "--select-every", str(every).removeprefix("ahead-"), *(["--select-ahead"] if ahead else []),
+                 "--kv-cache-dtype", kv_dtype)
     st = res["stats_idle"][0]
     assert st["host_kv_bytes"] > 0 and st["hot_buffer_bytes"] > 0
     assert st["hot_rows_hit"] > st["hot_rows_loaded"] > 0 and st["sparse_steps"] > 0 and st["grafts"] > 0
