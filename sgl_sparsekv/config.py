@@ -198,8 +198,7 @@ class SparseKVConfig:
                 raise ConfigError("sparse-kv config: host_tier needs dense_layers >= 1 (the dense layers hold every "
                                   "token's KV on the device)")
             shared = [k for k, on in (("rerank_factor > 1", self.rerank_factor > 1),
-                                       ("head_roles", self.head_roles != "all-retrieval"),
-                                       ("recall_audit_every", self.recall_audit_every > 0)) if on]
+                                       ("head_roles", self.head_roles != "all-retrieval")) if on]
             if shared:   # each reads a layer's token lists against another buffer than its hot rows
                 raise ConfigError(f"sparse-kv config: host_tier does not run with {', '.join(shared)} yet")
             if self.select_every > self.token_budget - self.recent_window:   # a kept list's window stays in the ring

@@ -451,7 +451,9 @@ class PooledDecode:
     def _audit(self, q, k_buf, sparse_layer: int, req_to_token, scale: float) -> None:
         if self.audited:
             lens, windows = self._layer_lists(sparse_layer)
-            self.manager.audit.record(sparse_layer, q, k_buf, lens, windows, self.H, self.cap, req_to_token, scale)
+            k_lists = self.tier.k[sparse_layer] if self.tier is not None else None   # lists of hot-buffer rows
+            self.manager.audit.record(sparse_layer, q, k_buf, lens, windows, self.H, self.cap, req_to_token, scale,
+                                      k_lists)
 
     @contextlib.contextmanager
     def _beside(self, q: torch.Tensor):

@@ -37,12 +37,13 @@ class AuditedRow(NamedTuple):
 
 
 def kept_mass(q: torch.Tensor, k_buf: torch.Tensor, seq_slots: torch.Tensor, lists: torch.Tensor,
-              valid: torch.Tensor, tail_from: int, scale: float) -> torch.Tensor:
+              valid: torch.Tensor, tail_from: int, scale: float, k_lists: torch.Tensor | None = None) -> torch.Tensor:
     """One row's kept attention mass per query head, on the device without a host read.
 
     ``q`` [Hq, d]; ``seq_slots`` [S] the row's KV slots by position; ``lists`` [H, cap] each KV head's attended
-    slots, of which ``valid`` [H, cap] marks the entries in use; positions from ``tail_from`` on were attended
-    beside the lists. Returns [Hq]: the softmax (over all S tokens, logits ``q.k * scale``) summed over the
+    slots, of which ``valid`` [H, cap] marks the entries in use, rows of ``k_lists`` where given (the host tier's hot
+    buffers, whose rows hold copies of those tokens' keys), else of ``k_buf``; positions from ``tail_from`` on were
+    attended beside the lists. Returns [Hq]: the softmax (over all S tokens, logits ``q.k * scale``) summed over the
     attended tokens."""
     H = k_buf.shape[1]
     Hq, d = q.shape
@@ -53,7 +54,7 @@ def kept_mass(q: torch.Tensor, k_buf: torch.Tensor, seq_slots: torch.Tensor, lis
     tail = torch.exp(logits[..., tail_from:] - lse).sum(-1)
     # entries past a list's length may hold any value: read slot 0 there and drop it
     slots = torch.where(valid, lists, torch.zeros_like(lists)).long()
-    k = k_buf[slots, torch.arange(H, device=slots.device)[:, None]].float()   # [H, cap, d]
+    k = (k_buf if k_lists is None else k_lists)[slots, torch.arange(H, device=slots.device)[:, None]].float()
     picked = torch.exp(torch.einsum("hgd,hcd->hgc", qf, k) * scale - lse) * valid[:, None, :]
     return (picked.sum(-1) + tail).flatten()
 
@@ -118,15 +119,17 @@ class RecallAudit:
         return self.rows
 
     def record(self, sparse_layer: int, q: torch.Tensor, k_buf: torch.Tensor, lens: torch.Tensor,
-               windows: torch.Tensor, heads: int, cap: int, req_to_token: torch.Tensor, scale: float) -> None:
+               windows: torch.Tensor, heads: int, cap: int, req_to_token: torch.Tensor, scale: float,
+               k_lists: torch.Tensor | None = None) -> None:
         """After a sparse layer's attention: each audited row's kept mass in that layer (``lens``/``windows``: the
-        layer's lists as the attention read them, ``cap`` entries per list, ``heads`` lists per list row)."""
+        layer's lists as the attention read them, ``cap`` entries per list, ``heads`` lists per list row, rows of
+        ``k_lists`` where given)."""
         at = torch.arange(cap, device=lens.device)
         for r, a in enumerate(self.rows):
             j = a.list_row * heads
             lists = windows[j * cap:(j + heads) * cap].view(heads, cap)
             valid = at[None, :] < lens[j:j + heads, None]
-            mass = kept_mass(q[a.i], k_buf, req_to_token[a.row, :a.seq], lists, valid, a.tail_from, scale)
+            mass = kept_mass(q[a.i], k_buf, req_to_token[a.row, :a.seq], lists, valid, a.tail_from, scale, k_lists)
             self.values[r, sparse_layer] = mass.mean()
         if sparse_layer == self.layers - 1:
             self.pending.append(LateRead(self.values))

@@ -82,13 +82,13 @@ def run_suite(srv, tok):
 # device in a window pool sized for the 8 requests it can run (--max-running-requests 8) with prefill chunks of 256:
 # WINDOW_SLOTS, fewer than the suite's prompts hold together, so SGLang frees window slots as the suite goes, and its
 # sparse decode reading hot buffers (one set a request it can run); the plain pools serve lychee in the data-parallel
-# server (whose tokens the tier's must equal), the stress run and the GPU tests. quest: with the live recall audit
+# server (whose tokens the tier's must equal), the stress run and the GPU tests. Both with the live recall audit
 # measuring every second decode step past the budget. The options (hybrid heads, the two-stage selection,
 # select_ahead, fine_bound box) change what a step selects, not how the server runs it: the one lifecycle runs them
 # against its spec in tests/test_pooled_decode.py, on the GPU in CUDA graphs too, and a CPU server of its own costs
 # CI about two minutes each
 TIER = {"host_tier": True, "host_window": 256}
-SPARSE = {"lychee": ("lychee", TIER), "quest": ("quest", {"recall_audit_every": 2})}
+SPARSE = {"lychee": ("lychee", {**TIER, "recall_audit_every": 2}), "quest": ("quest", {"recall_audit_every": 2})}
 EXTRA = {"lychee": ["--chunked-prefill-size", "256", "--max-running-requests", "8"], "quest": []}
 # each request's window, last prefill chunk, the 128 tokens SGLang decodes between freeing slots out of the window
 # and 2 pages, and 2 chunks in flight (host_tier.window_slots)
@@ -200,7 +200,7 @@ def test_config_reached_scheduler(sparse):
     state = out["state"]
     assert state["sparse_kv"] == method
     assert state["sparse_kv_config"]["token_budget"] == 256 and state["sparse_kv_config"]["method"] == method
-    assert state["sparse_kv_config"]["recall_audit_every"] == (2 if method == "quest" else 0)
+    assert state["sparse_kv_config"]["recall_audit_every"] == 2
     assert "sparse_kv_stats" in state
 
 
@@ -270,21 +270,18 @@ def test_metrics_endpoint_exports_counters(sparse):
 
 
 def test_recall_audit_reports_the_mass_each_layer_group_kept(sparse):
-    """The quest server audits every second decode step past the budget: /server_info holds, per layer group, how
-    many (row, layer) values it measured and their mean and minimum share of dense attention's mass, and /metrics
-    the same values as a histogram. Servers without the audit report none."""
+    """Both servers audit every second decode step past the budget (lychee's through the host tier's hot buffers):
+    /server_info holds, per layer group, how many (row, layer) values it measured and their mean and minimum share of
+    dense attention's mass, and /metrics the same values as a histogram."""
     method, srv, out = sparse
     stats = srv.stats()
-    if out["key"] != "quest":
-        assert "recall_audit" not in stats and stats["audited_steps"] == 0
-        return
     groups = stats["recall_audit"]
     assert list(groups) == ["2-8", "9-15", "16-22", "23-29"]   # SmolLM2's 28 sparse layers in four groups
     assert stats["audited_steps"] >= 3   # the long prompt's 7 sparse steps alone hold 3 due ones
     for g in groups.values():
         assert g["samples"] >= 7 * stats["audited_steps"] // 4 and 0 < g["min"] <= g["mean"] <= 1 + 1e-5, groups
         assert sum(g["buckets"].values()) == g["samples"]
-    # quest reads 256 of about 2K tokens: some audited layer kept less than all of the mass
+    # each reads 256 of about 2K tokens: some audited layer kept less than all of the mass
     assert min(g["min"] for g in groups.values()) < 0.999
     text = requests.get(srv.url + "/metrics", timeout=30).text
     counts = {line.split('layers="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -496,12 +496,14 @@ def test_requests_decode_at_their_own_budget_or_densely(method, overrides):
 
 @pytest.mark.parametrize("method,overrides", [("lychee", {}), ("lychee", {"head_roles": "staggered-0.5"}),
                                               ("lychee", {"select_every": 3}), ("lychee", {"select_ahead": True}),
-                                              ("quest", {})])
+                                              ("quest", {}), ("lychee", {"host_tier": True}),
+                                              ("lychee", {"host_tier": True, "select_every": 3})])
 def test_recall_audit_measures_the_mass_each_audited_step_kept(method, overrides, monkeypatch):
     """With recall_audit_every 3, every third decode step past the budget runs eagerly (the plugin's hook declines
     its graph) and each audited row's value per sparse layer is the spec's: the share of dense attention's mass on
-    the tokens the step attended (lists, tail, the previous layer's lists for a sparse head), averaged over the
-    query heads; requests that asked for dense decoding are never audited. The histograms hold every value."""
+    the tokens the step attended (lists, tail, the previous layer's lists for a sparse head; with the host tier, lists
+    of hot-buffer rows and tails in the rings), averaged over the query heads; requests that asked for dense
+    decoding are never audited. The histograms hold every value."""
     monkeypatch.setattr(recall_audit, "KEY_BLOCK", 7)   # the dense logits in several blocks
     monkeypatch.setattr(recall_audit, "AUDIT_ROWS", 2)   # fewer than the batch's rows: they take turns
     w = TwinWorld(8, {**overrides, "recall_audit_every": 3}, steps="served", method=method)

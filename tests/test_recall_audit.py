@@ -85,11 +85,13 @@ def test_values_reach_the_histograms_and_the_exporter_once():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_audit_at_real_shapes_on_the_gpu_never_waits_for_it(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,tier", [(torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                                           (torch.bfloat16, True)])
+def test_audit_at_real_shapes_on_the_gpu_never_waits_for_it(kv_dtype, tier):
     """Llama-3.1-8B's shape (8 KV heads of 4 query heads, d 128) at 32K tokens and budget 1024 in a pool of 40K
     slots: the values recorded for two rows over three layers are the float64 spec's, and neither recording nor
-    the copy to the host nor folding a finished copy makes the host wait for the GPU."""
+    the copy to the host nor folding a finished copy makes the host wait for the GPU. ``tier``: the lists name rows
+    of another buffer holding copies of their keys, as the host tier's hot buffers do."""
     from helpers import sync_check
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -108,9 +110,14 @@ def test_audit_at_real_shapes_on_the_gpu_never_waits_for_it(kv_dtype):
     assert audit.pick(rows, eager=True, device="cuda") == rows
     audit.drain()
     torch.cuda.synchronize()
+    lists_at, k_lists = windows, [None] * layers
+    if tier:   # list entry i at row i of a buffer of the same keys, in reverse order of the lists
+        n = windows.numel()
+        lists_at = torch.arange(n - 1, -1, -1, dtype=torch.int32, device="cuda")
+        k_lists = [torch.empty_like(k[:n]).index_copy_(0, lists_at.long(), k[windows.long()]) for k in k_bufs]
     with sync_check():
         for layer in range(layers):
-            audit.record(layer, q, k_bufs[layer], lens, windows, H, cap, req_to_token, d ** -0.5)
+            audit.record(layer, q, k_bufs[layer], lens, lists_at, H, cap, req_to_token, d ** -0.5, k_lists[layer])
         copy = audit.pending[-1]
     copy.event.synchronize()
     with sync_check():
