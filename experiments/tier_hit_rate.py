@@ -24,11 +24,18 @@ from bench import tasks
 from bench.server import Server
 
 
+COUNTERS = ("sparse_steps", "dense_steps", "hot_rows_hit", "hot_rows_loaded", "host_to_device_bytes")
+TOP_P = 0.95
+
+
+def counters(srv: Server) -> dict:
+    s = srv.stats()
+    return {"t": time.time(), **{k: s.get(k, 0) for k in COUNTERS}}
+
+
 def poll(srv: Server, out: list, stop: threading.Event, every: float) -> None:
     while not stop.is_set():
-        s = srv.stats()
-        out.append({"t": time.time(), **{k: s.get(k, 0) for k in ("sparse_steps", "dense_steps", "hot_rows_hit",
-                                                                  "hot_rows_loaded", "host_to_device_bytes")}})
+        out.append(counters(srv))
         stop.wait(every)
 
 
@@ -36,7 +43,7 @@ def generate(srv: Server, ids: list[int], a) -> dict:
     """Sampled, not greedy: a small model's long greedy outputs loop (a count, one character over and over), and a
     loop's selections repeat, which would flatter the buffers."""
     r = requests.post(srv.url + "/generate", timeout=900, json=dict(input_ids=ids, sampling_params=dict(
-        max_new_tokens=a.out_tokens, ignore_eos=True, temperature=a.temperature, top_p=0.95,
+        max_new_tokens=a.out_tokens, ignore_eos=True, temperature=a.temperature, top_p=TOP_P,
         frequency_penalty=a.frequency_penalty, sampling_seed=a.seed)))
     r.raise_for_status()
     return r.json()
@@ -77,13 +84,13 @@ def main():
             outs = list(ex.map(lambda ids: generate(srv, ids, a), prompts))
         stop.set()
         poller.join()
-        polls.append({"t": time.time(), **{k: srv.stats().get(k, 0) for k in polls[0] if k != "t"}})
+        polls.append(counters(srv))
     steps = [p["sparse_steps"] + p["dense_steps"] for p in polls]
     warm = next((p for p, s in zip(polls, steps) if s >= a.warm_steps), polls[0])
-    res = {"model": a.model, "config": cfg, "sampling": [a.temperature, 0.95, a.frequency_penalty],
+    res = {"model": a.model, "config": cfg, "sampling": [a.temperature, TOP_P, a.frequency_penalty],
            "length": a.length, "tasks": names, "prompt_tokens": [len(p) for p in prompts],
            "out_tokens": a.out_tokens, "wall_s": round(time.time() - t0, 1), "warm_steps": a.warm_steps,
-           "hit_rate_all": rate({k: 0 for k in polls[0]}, polls[-1]), "hit_rate_steady": rate(warm, polls[-1]),
+           "hit_rate_all": rate(dict.fromkeys(COUNTERS, 0), polls[-1]), "hit_rate_steady": rate(warm, polls[-1]),
            "steps": steps[-1], "final": polls[-1],
            "outputs_tokens": [o["meta_info"]["completion_tokens"] for o in outs],
            "outputs_head": [o["text"][:300] for o in outs]}
