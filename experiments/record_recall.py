@@ -1,18 +1,40 @@
-"""Which tokens of the answer's record the selection drops (issue #94, item 3: find the structured-record loss).
+"""Which tokens of the answer's record a selection drops, and which selection would keep them (issue #94, item 3).
 
-    python -m experiments.record_recall --model-dir models/qwen2.5-coder-0.5b --length 4000 --budget 256 \
+    python -m experiments.record_recall --model-dir models/qwen2.5-coder-0.5b --length 8000 --budget 256 \
         --out /tmp/record_recall.json                                    # the CPU, fp32, dev split
 
 For each dev sample of the record families (code_return: a function's name and, four lines below, the value it
 returns; json_value and yaml_value: a leaf key and its value among many alike), the model writes the answer greedily
 and one forward over prompt and answer captures every layer's queries and keys. At each answer token's step, per
-sparse layer and KV head, dense attention's mass on the record's key tokens and on its value tokens is split into
-what a selection attends and what it drops, for lychee's default selection (structure chunks, the default index,
-``sgl_sparsekv.select``), for Quest's pages at the same budget, and for lychee with each selected chunk's next
-chunk pulled in, at an equal count of tokens read (its cut shrinks until its tokens fit). The sink and the recent
-window are attended by all. Reported: the kept share of each part's mass (mass-weighted over steps, layers and
-heads), and how often the value's chunk is dropped while its key's chunk is kept. One-off: what it decided is in
-docs/RESULTS.md.
+sparse layer and KV head, dense attention's mass (the GQA group's mean) is split into what a selection attends and
+what it drops: on the record's key tokens (the function name, the leaf key), on its value tokens, and in all.
+Every selection spends the same retrieved budget by the same rule (units in score order while the running token
+count stays within it; the sink and the recent window are attended by all):
+
+- ``lychee``: the default (structure chunks, the default index, ``sgl_sparsekv.select``);
+- ``lychee_past``: the default over the chunks that end before the recent window (the server's index also holds the
+  prompt's last chunks, which the window attends anyway, and a selection of them reads nothing more);
+- ``sentence_mean``: the default index ranked by the mean query of the question's line and the answer so far
+  (SentenceKV's query aggregation), ``sentence_max`` by each of those queries, the largest bound of any;
+- ``box``: the option ``fine_bound`` "box" (each fine cluster ranked by its tokens' key box);
+- ``small_chunks``: the default with structure chunks of 4-8 tokens instead of 8-16 (twice the index);
+- ``rerank_2``, ``_4``, ``_8``: two stages (``rerank_factor`` f): the default's cut at f x the budget, then the
+  budget's tokens of most mass among them (keys of f x the budget read);
+- ``quest``: Quest's 16-token pages at the same budget;
+- ``mean_logit``: the same chunks ranked by q.(mean of their keys), the largest over the group's heads: the
+  centroid's score without the normalization the index applies to chunk keys (so with the mean key's norm);
+- ``lychee_norm``: the default index with each fine cluster's centroid and radius scaled by the mean norm of its
+  chunks' mean keys (what ``mean_logit`` asks of an index: one scalar more per fine cluster);
+- ``chunk_max``: the same chunks ranked by their largest exact q.k over the group's heads, the best any bound on a
+  chunk's keys can rank (what a tighter bound buys);
+- ``chunk_mass``: the same chunks ranked by dense attention's own mass on them (what chunking allows at all);
+- ``token_mass``: the budget's tokens of most mass, one by one (what any selection allows).
+
+(``mean_logit``, ``chunk_max`` and ``chunk_mass`` leave out the chunks the recent window holds whole, as
+``lychee_past`` does, and ``token_mass`` the window's tokens.)
+
+Reported: the kept share of each part's mass (mass-weighted over steps, layers and heads), and how often each
+selection attends all of the value's chunks. One-off: what it decided is in docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -20,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,10 +53,12 @@ from bench.tasks import make
 from experiments.selection_reuse import capture
 from sgl_sparsekv.chunking import BoundaryTable, Chunker
 from sgl_sparsekv.config import SparseKVConfig
-from sgl_sparsekv.index import build_index
+from sgl_sparsekv.index import NEG_INF, build_index, scatter_max, scatter_sum
 from sgl_sparsekv.select import select_chunks, select_pages
 
-METHODS = ("lychee", "quest", "lychee_next")
+METHODS = ("lychee", "lychee_past", "sentence_mean", "sentence_max", "box", "small_chunks", "rerank_2", "rerank_4",
+           "rerank_8", "mean_logit", "lychee_norm", "quest", "chunk_max", "chunk_mass", "token_mass")
+PARTS = ("key", "value", "all")
 
 
 def record_spans(task: str, prompt: str, value: str) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -55,7 +81,50 @@ def token_mask(offsets: list[tuple[int, int]], span: tuple[int, int]) -> torch.T
     return torch.tensor([s < span[1] and e > span[0] for s, e in offsets])
 
 
-def sample_recall(model, tok, cfg: SparseKVConfig, chunker: Chunker, sample) -> dict | None:
+def within(scores: torch.Tensor, sizes: torch.Tensor, budget: int) -> torch.Tensor:
+    """bool [H, N]: units in descending score order while the running size stays within ``budget`` (lychee's rule;
+    a unit of score -inf ends the run)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    size = torch.where(torch.isfinite(scores), sizes.float().expand_as(scores), torch.inf).gather(1, order)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, order, torch.cumsum(size, -1) <= budget)
+
+
+class Chunks(NamedTuple):
+    """A prompt's chunks past the sink as the server indexes them, and where each token lies."""
+    starts: np.ndarray
+    ends: np.ndarray
+    lens: torch.Tensor
+    count: int
+    chunk_of: torch.Tensor   # [P] each token's chunk (count past the last)
+    inside: torch.Tensor     # [P] tokens in some chunk
+    at_chunk: torch.Tensor   # chunk_of[inside]
+
+    @classmethod
+    def of(cls, chunker: Chunker, ids: torch.Tensor, sink: int) -> Chunks:
+        ends = chunker.cuts(ids.numpy())
+        starts = np.r_[0, ends[:-1]]
+        keep = starts >= sink
+        starts, ends = starts[keep], ends[keep]
+        pos = torch.arange(len(ids))
+        chunk_of = torch.as_tensor(np.searchsorted(ends, pos.numpy(), side="right"))
+        inside = (pos >= int(starts[0])) & (chunk_of < len(ends))
+        return cls(starts, ends, torch.as_tensor(ends - starts), len(ends), chunk_of, inside, chunk_of[inside])
+
+    def unit_keys(self, k: torch.Tensor, P: int) -> torch.Tensor:
+        """[H, M, d] unit chunk keys (normalized means), as the server pools them."""
+        H, d = k.shape[0], k.shape[-1]
+        total = torch.zeros(H, self.count, d).index_add_(1, self.at_chunk, k[:, :P][:, self.inside])
+        return F.normalize(total / self.lens[None, :, None].float(), dim=-1)
+
+    def tokens(self, sel: torch.Tensor, P: int) -> torch.Tensor:
+        """bool [H, P]: the tokens of the selected chunks ``sel`` [H, M]."""
+        out = torch.zeros(sel.shape[0], P, dtype=torch.bool)
+        out[:, self.inside] = sel[:, self.at_chunk]
+        return out
+
+
+def sample_recall(model, tok, cfg: SparseKVConfig, box_cfg: SparseKVConfig, chunker: Chunker,
+                  fine_chunker: Chunker, sample) -> dict | None:
     enc = tok(sample.prompt, return_offsets_mapping=True)
     spans = record_spans(sample.task, sample.prompt, sample.expected[0])
     if spans is None:
@@ -67,80 +136,113 @@ def sample_recall(model, tok, cfg: SparseKVConfig, chunker: Chunker, sample) -> 
     out = model.generate(ids[None], max_new_tokens=len(answer), min_new_tokens=len(answer), do_sample=False)[0]
     dense_right = sample.score(tok.decode(out[P:]))
     layers = capture(model, out)
-    ends = chunker.cuts(ids.numpy())
-    starts = np.r_[0, ends[:-1]]
-    keep = starts >= cfg.sink_tokens
-    starts, ends = starts[keep], ends[keep]
-    lens = torch.as_tensor(ends - starts)
-    pos = torch.arange(P)
-    chunk_of = torch.as_tensor(np.searchsorted(ends, pos.numpy(), side="right"))
-    inside = (pos >= int(starts[0])) & (chunk_of < len(ends))
-    key_chunks = torch.unique(chunk_of[key_tok & inside])
+    ch, small = Chunks.of(chunker, ids, cfg.sink_tokens), Chunks.of(fine_chunker, ids, cfg.sink_tokens)
+    starts, ends, lens, M, chunk_of, inside, at_chunk = ch
+    line = len(tok(sample.prompt[:sample.prompt.rindex("\n") + 1])["input_ids"])   # the question's first token
+    past = int(np.searchsorted(ends, P - cfg.recent_window, side="right"))   # chunks that end before the window
     val_chunks = torch.unique(chunk_of[val_tok & inside])
+    parts = torch.stack([key_tok, val_tok, torch.ones(P, dtype=torch.bool)])   # [3, P]
     retrieve = cfg.token_budget - cfg.sink_tokens - cfg.recent_window
     page = SparseKVConfig.from_method("quest").page_size
-    kept = {m: np.zeros(2) for m in METHODS}
-    total = np.zeros(2)
-    split = {m: 0 for m in METHODS}   # (step, layer, head)s with the key's chunk kept and the value's dropped
+    kept = {m: np.zeros(len(PARTS)) for m in METHODS}
+    read = {m: 0.0 for m in METHODS}
+    value_whole = {m: 0 for m in METHODS}
+    total = np.zeros(len(PARTS))
     cases = 0
     for layer in range(cfg.dense_layers, len(layers)):
         q, k = layers[layer]
         H, d = k.shape[0], k.shape[-1]
         G = q.shape[0] // H
-        keys = torch.zeros(H, len(ends), d).index_add_(1, chunk_of[inside], k[:, :P][:, inside])
-        keys = F.normalize(keys / lens[None, :, None].float(), dim=-1)
+        ki = k[:, :P][:, inside]
+        keys = ch.unit_keys(k, P)
+        at = at_chunk[None, :, None].expand(H, -1, d)
+        lo = torch.full((H, M, d), torch.inf).scatter_reduce_(1, at, ki, "amin")
+        hi = torch.full((H, M, d), -torch.inf).scatter_reduce_(1, at, ki, "amax")
         index = build_index(keys, lens, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+        index_past = build_index(keys[:, :past], lens[:past], cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters)
+        index_box = build_index(keys, lens, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters,
+                                torch.stack([lo, hi], 2))
+        # the default index with each fine cluster's centroid and radius scaled by its chunks' mean key norm
+        norm = (torch.zeros(H, M, d).index_add_(1, at_chunk, ki) / lens[None, :, None].float()).norm(dim=-1)
+        L = index.fine_r.shape[1]
+        scale = (scatter_sum(norm, index.chunk_fine, L) / index.fine_n.clamp(min=1))
+        index_norm = replace(index, fine_mu=index.fine_mu * scale[..., None],
+                             fine_r=torch.where(torch.isfinite(index.fine_r), index.fine_r * scale, index.fine_r))
+        index_small = build_index(small.unit_keys(k, P), small.lens, cfg.fine_cluster_size, cfg.max_coarse,
+                                  cfg.kmeans_iters)
         n_pages = -(-P // page)
         pk = F.pad(k[:, :P], (0, 0, 0, n_pages * page - P), value=float("nan")).view(H, n_pages, page, d)
         kmin, kmax = pk.nan_to_num(float("inf")).amin(2), pk.nan_to_num(float("-inf")).amax(2)
         for t in range(len(answer)):
-            at = P - 1 + t   # the query that writes answer token t
-            qt = q[:, at].view(H, G, d)
-            probs = torch.softmax((qt @ k[:, :at + 1].transpose(1, 2)) / d ** 0.5, dim=-1).mean(1)[:, :P]
-            mass = torch.stack([probs[:, key_tok].sum(1), probs[:, val_tok].sum(1)], 1)   # [H, 2]
-            total += mass.sum(0).numpy()
+            now = P - 1 + t   # the query that writes answer token t
+            qt = q[:, now].view(H, G, d)
+            qs = q[:, line:now + 1].view(H, G, -1, d)   # the queries of the question and the answer so far
+            logits = (qt @ k[:, :now + 1].transpose(1, 2)) / d ** 0.5            # [H, G, now + 1]
+            probs = torch.softmax(logits, dim=-1).mean(1)[:, :P]
             base = torch.zeros(H, P, dtype=torch.bool)
             base[:, :cfg.sink_tokens] = True
-            base[:, max(0, at + 1 - cfg.recent_window):] = True
-            sel = select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce, cfg.radius_weight)
-            read = int((lens * sel).sum())
-            # the next chunk pulled in, the cut shrunk until the tokens read match lychee's
-            cut = retrieve
-            while True:
-                nxt = select_chunks(index, qt, cut, cfg.expansion(cut), cfg.gqa_reduce, cfg.radius_weight)
-                nxt = nxt | F.pad(nxt[:, :-1], (1, 0))
-                if int((lens * nxt).sum()) <= read or cut <= cfg.chunk_max:
-                    break
-                cut -= cfg.chunk_max
-            chosen = {"lychee": sel, "lychee_next": nxt}
-            pages = select_pages(qt, kmin, kmax, cfg.token_budget - cfg.sink_tokens - cfg.recent_window, page,
-                                 cfg.gqa_reduce)
+            base[:, max(0, now + 1 - cfg.recent_window):] = True
+            in_window = torch.as_tensor(starts >= now + 1 - cfg.recent_window)   # chunks the window holds whole
+            chunks = {
+                "lychee": select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
+                                        cfg.radius_weight),
+                "lychee_past": F.pad(select_chunks(index_past, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
+                                                   cfg.radius_weight), (0, M - past)),
+                "sentence_mean": select_chunks(index, qs.mean(2), retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
+                                               cfg.radius_weight),
+                "sentence_max": select_chunks(index, qs.flatten(1, 2), retrieve, cfg.expansion(retrieve), "max",
+                                              cfg.radius_weight),
+                "box": select_chunks(index_box, qt, retrieve, box_cfg.expansion(retrieve), box_cfg.gqa_reduce,
+                                     box_cfg.radius_weight),
+                "lychee_norm": select_chunks(index_norm, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
+                                             cfg.radius_weight),
+                "mean_logit": within((scatter_sum(logits[..., :P][..., inside], at_chunk[None, None].expand(H, G, -1),
+                                                  M) / lens.float()).amax(1).masked_fill(in_window, NEG_INF),
+                                     lens, retrieve),
+                "chunk_max": within(scatter_max(logits.amax(1)[:, :P][:, inside], at_chunk[None].expand(H, -1), M)
+                                    .masked_fill(in_window, NEG_INF), lens, retrieve),
+                "chunk_mass": within(scatter_sum(probs[:, inside], at_chunk[None].expand(H, -1), M)
+                                     .masked_fill(in_window, NEG_INF), lens, retrieve),
+            }
+            tokens = {m: ch.tokens(sel, P) for m, sel in chunks.items()}
+            tokens["small_chunks"] = small.tokens(select_chunks(index_small, qt, retrieve, cfg.expansion(retrieve),
+                                                                cfg.gqa_reduce, cfg.radius_weight), P)
+            for f in (2, 4, 8):   # two stages: lychee's cut at f x the budget, the budget's tokens of most mass
+                wide = ch.tokens(select_chunks(index, qt, f * retrieve, cfg.expansion(f * retrieve), cfg.gqa_reduce,
+                                               cfg.radius_weight), P) & ~base
+                tokens[f"rerank_{f}"] = torch.zeros(H, P, dtype=torch.bool).scatter_(
+                    1, probs.masked_fill(~wide, -1).topk(retrieve, dim=-1).indices, True) & wide
+            pages = select_pages(qt, kmin, kmax, retrieve, page, cfg.gqa_reduce)
+            tokens["quest"] = pages.repeat_interleave(page, 1)[:, :P]
+            free = probs.masked_fill(base, NEG_INF)
+            tokens["token_mass"] = torch.zeros(H, P, dtype=torch.bool).scatter_(
+                1, free.topk(retrieve, dim=-1).indices, True)
             for m in METHODS:
-                if m == "quest":
-                    tokens = pages.repeat_interleave(page, 1)[:, :P]
-                    key_kept = val_kept = None
-                else:
-                    tokens = torch.zeros(H, P, dtype=torch.bool)
-                    tokens[:, inside] = chosen[m][:, chunk_of[inside]]
-                    key_kept, val_kept = chosen[m][:, key_chunks].any(1), chosen[m][:, val_chunks].all(1)
-                tokens |= base
-                kept[m] += torch.stack([(probs * (tokens & key_tok)).sum(1),
-                                        (probs * (tokens & val_tok)).sum(1)], 1).sum(0).numpy()
-                if key_kept is not None:
-                    split[m] += int((key_kept & ~val_kept).sum())
+                read[m] += float((tokens[m] & ~base).sum()) / H
+                value_whole[m] += int(tokens[m][:, val_tok & inside].all(1).sum()) if len(val_chunks) else 0
+                kept[m] += ((probs * (tokens[m] | base))[:, None, :] * parts).sum((0, 2)).numpy()
+            total += (probs[:, None, :] * parts).sum((0, 2)).numpy()
             cases += H
-    return {"dense_right": bool(dense_right), "prompt_tokens": P, "key_tokens": int(key_tok.sum()),
-            "value_tokens": int(val_tok.sum()),
-            "key_value_chunks_apart": (int(val_chunks.min() - key_chunks.max()) if len(val_chunks) and len(key_chunks)
-                                       else None),
-            "mass": total.tolist(), "kept": {m: v.tolist() for m, v in kept.items()},
-            "key_kept_value_dropped": {m: split[m] / cases for m in ("lychee", "lychee_next")}}
+    steps = (len(layers) - cfg.dense_layers) * len(answer)
+    return {"dense_right": bool(dense_right), "prompt_tokens": P, "chunks": M, "key_tokens": int(key_tok.sum()),
+            "value_tokens": int(val_tok.sum()), "mass": total.tolist(),
+            "kept": {m: v.tolist() for m, v in kept.items()},
+            "read": {m: read[m] / steps for m in METHODS},
+            "value_whole": {m: value_whole[m] / cases for m in METHODS}}
+
+
+def share(rows: list[dict], m: str) -> dict:
+    mass = np.sum([s["mass"] for s in rows], 0)
+    kept = np.sum([s["kept"][m] for s in rows], 0)
+    return {**{p: round(float(kept[i] / mass[i]), 4) for i, p in enumerate(PARTS)},
+            "value_whole": round(float(np.mean([s["value_whole"][m] for s in rows])), 4),
+            "read": round(float(np.mean([s["read"][m] for s in rows])), 1)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--length", type=int, default=4000)
+    ap.add_argument("--length", type=int, default=8000)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--tasks", nargs="+", default=["code_return", "json_value", "yaml_value"])
     ap.add_argument("--seeds", type=int, nargs="+", default=list(range(6)))
@@ -148,32 +250,31 @@ def main():
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).eval()
     cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget})
-    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max,
-                      BoundaryTable.from_tokenizer(tok, model.config.vocab_size))
-    res = {"model": a.model_dir, "split": "dev", "length": a.length, "budget": a.budget, "samples": []}
+    box_cfg = SparseKVConfig.from_method("lychee", {"token_budget": a.budget, "fine_bound": "box"})
+    table = BoundaryTable.from_tokenizer(tok, model.config.vocab_size)
+    chunker = Chunker(cfg.chunking, cfg.chunk_min, cfg.chunk_max, table)
+    fine_chunker = Chunker(cfg.chunking, cfg.chunk_min // 2, cfg.chunk_max // 2, table)
+    res = {"model": a.model_dir, "split": "dev", "length": a.length, "budget": a.budget, "device": "cpu",
+           "samples": []}
     for task in a.tasks:
         for seed in a.seeds:
-            got = sample_recall(model, tok, cfg, chunker, make(task, tok, a.length, seed))
+            got = sample_recall(model, tok, cfg, box_cfg, chunker, fine_chunker, make(task, tok, a.length, seed))
             if got is None:
                 continue
             res["samples"].append({"task": task, "seed": seed, **got})
-            share = {m: [round(k / max(t, 1e-9), 3) for k, t in zip(got["kept"][m], got["mass"])] for m in METHODS}
-            print(task, seed, got["dense_right"], got["key_value_chunks_apart"], share,
-                  got["key_kept_value_dropped"], flush=True)
+            print(task, seed, got["dense_right"], {m: share([got], m) for m in METHODS}, flush=True)
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
     summary = {}
     for task in a.tasks + ["all"]:
         rows = [s for s in res["samples"] if task in ("all", s["task"])]
-        if not rows:
-            continue
-        mass = np.sum([s["mass"] for s in rows], 0)
-        summary[task] = {"samples": len(rows), "dense_right": sum(s["dense_right"] for s in rows),
-                         **{m: {"key": float(np.sum([s["kept"][m][0] for s in rows]) / mass[0]),
-                                "value": float(np.sum([s["kept"][m][1] for s in rows]) / mass[1])} for m in METHODS},
-                         "key_kept_value_dropped": {m: float(np.mean([s["key_kept_value_dropped"][m] for s in rows]))
-                                                    for m in ("lychee", "lychee_next")}}
+        if rows:
+            summary[task] = {"samples": len(rows), "dense_right": sum(s["dense_right"] for s in rows),
+                             **{m: share(rows, m) for m in METHODS}}
     res["summary"] = summary
     print(json.dumps(summary, indent=1))
     with open(a.out, "w") as f:
