@@ -110,11 +110,11 @@ class Chunks(NamedTuple):
         inside = (pos >= int(starts[0])) & (chunk_of < len(ends))
         return cls(starts, ends, torch.as_tensor(ends - starts), len(ends), chunk_of, inside, chunk_of[inside])
 
-    def unit_keys(self, k: torch.Tensor, P: int) -> torch.Tensor:
-        """[H, M, d] unit chunk keys (normalized means), as the server pools them."""
+    def mean_keys(self, k: torch.Tensor, P: int) -> torch.Tensor:
+        """[H, M, d] each chunk's mean key; normalized, the unit chunk keys the server pools."""
         H, d = k.shape[0], k.shape[-1]
         total = torch.zeros(H, self.count, d).index_add_(1, self.at_chunk, k[:, :P][:, self.inside])
-        return F.normalize(total / self.lens[None, :, None].float(), dim=-1)
+        return total / self.lens[None, :, None].float()
 
     def tokens(self, sel: torch.Tensor, P: int) -> torch.Tensor:
         """bool [H, P]: the tokens of the selected chunks ``sel`` [H, M]."""
@@ -154,7 +154,8 @@ def sample_recall(model, tok, cfg: SparseKVConfig, box_cfg: SparseKVConfig, chun
         H, d = k.shape[0], k.shape[-1]
         G = q.shape[0] // H
         ki = k[:, :P][:, inside]
-        keys = ch.unit_keys(k, P)
+        mean = ch.mean_keys(k, P)
+        keys = F.normalize(mean, dim=-1)
         at = at_chunk[None, :, None].expand(H, -1, d)
         lo = torch.full((H, M, d), torch.inf).scatter_reduce_(1, at, ki, "amin")
         hi = torch.full((H, M, d), -torch.inf).scatter_reduce_(1, at, ki, "amax")
@@ -163,13 +164,12 @@ def sample_recall(model, tok, cfg: SparseKVConfig, box_cfg: SparseKVConfig, chun
         index_box = build_index(keys, lens, cfg.fine_cluster_size, cfg.max_coarse, cfg.kmeans_iters,
                                 torch.stack([lo, hi], 2))
         # the default index with each fine cluster's centroid and radius scaled by its chunks' mean key norm
-        norm = (torch.zeros(H, M, d).index_add_(1, at_chunk, ki) / lens[None, :, None].float()).norm(dim=-1)
         L = index.fine_r.shape[1]
-        scale = (scatter_sum(norm, index.chunk_fine, L) / index.fine_n.clamp(min=1))
+        scale = scatter_sum(mean.norm(dim=-1), index.chunk_fine, L) / index.fine_n.clamp(min=1)
         index_norm = replace(index, fine_mu=index.fine_mu * scale[..., None],
                              fine_r=torch.where(torch.isfinite(index.fine_r), index.fine_r * scale, index.fine_r))
-        index_small = build_index(small.unit_keys(k, P), small.lens, cfg.fine_cluster_size, cfg.max_coarse,
-                                  cfg.kmeans_iters)
+        index_small = build_index(F.normalize(small.mean_keys(k, P), dim=-1), small.lens, cfg.fine_cluster_size,
+                                  cfg.max_coarse, cfg.kmeans_iters)
         n_pages = -(-P // page)
         pk = F.pad(k[:, :P], (0, 0, 0, n_pages * page - P), value=float("nan")).view(H, n_pages, page, d)
         kmin, kmax = pk.nan_to_num(float("inf")).amin(2), pk.nan_to_num(float("-inf")).amax(2)
@@ -183,33 +183,30 @@ def sample_recall(model, tok, cfg: SparseKVConfig, box_cfg: SparseKVConfig, chun
             base[:, :cfg.sink_tokens] = True
             base[:, max(0, now + 1 - cfg.recent_window):] = True
             in_window = torch.as_tensor(starts >= now + 1 - cfg.recent_window)   # chunks the window holds whole
+
+            def pick(ix, query, budget=retrieve, reduce=cfg.gqa_reduce, c=cfg):   # sgl_sparsekv.select's cut
+                return select_chunks(ix, query, budget, c.expansion(budget), reduce, c.radius_weight)
+
+            def ranked(scores):   # the chunks past the window in score order, lychee's rule
+                return within(scores.masked_fill(in_window, NEG_INF), lens, retrieve)
+
+            per_chunk = at_chunk[None].expand(H, -1)
             chunks = {
-                "lychee": select_chunks(index, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
-                                        cfg.radius_weight),
-                "lychee_past": F.pad(select_chunks(index_past, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
-                                                   cfg.radius_weight), (0, M - past)),
-                "sentence_mean": select_chunks(index, qs.mean(2), retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
-                                               cfg.radius_weight),
-                "sentence_max": select_chunks(index, qs.flatten(1, 2), retrieve, cfg.expansion(retrieve), "max",
-                                              cfg.radius_weight),
-                "box": select_chunks(index_box, qt, retrieve, box_cfg.expansion(retrieve), box_cfg.gqa_reduce,
-                                     box_cfg.radius_weight),
-                "lychee_norm": select_chunks(index_norm, qt, retrieve, cfg.expansion(retrieve), cfg.gqa_reduce,
-                                             cfg.radius_weight),
-                "mean_logit": within((scatter_sum(logits[..., :P][..., inside], at_chunk[None, None].expand(H, G, -1),
-                                                  M) / lens.float()).amax(1).masked_fill(in_window, NEG_INF),
-                                     lens, retrieve),
-                "chunk_max": within(scatter_max(logits.amax(1)[:, :P][:, inside], at_chunk[None].expand(H, -1), M)
-                                    .masked_fill(in_window, NEG_INF), lens, retrieve),
-                "chunk_mass": within(scatter_sum(probs[:, inside], at_chunk[None].expand(H, -1), M)
-                                     .masked_fill(in_window, NEG_INF), lens, retrieve),
+                "lychee": pick(index, qt),
+                "lychee_past": F.pad(pick(index_past, qt), (0, M - past)),
+                "sentence_mean": pick(index, qs.mean(2)),
+                "sentence_max": pick(index, qs.flatten(1, 2), reduce="max"),
+                "box": pick(index_box, qt, reduce=box_cfg.gqa_reduce, c=box_cfg),
+                "lychee_norm": pick(index_norm, qt),
+                "mean_logit": ranked((scatter_sum(logits[..., :P][..., inside], at_chunk[None, None].expand(H, G, -1),
+                                                  M) / lens.float()).amax(1)),
+                "chunk_max": ranked(scatter_max(logits.amax(1)[:, :P][:, inside], per_chunk, M)),
+                "chunk_mass": ranked(scatter_sum(probs[:, inside], per_chunk, M)),
             }
             tokens = {m: ch.tokens(sel, P) for m, sel in chunks.items()}
-            tokens["small_chunks"] = small.tokens(select_chunks(index_small, qt, retrieve, cfg.expansion(retrieve),
-                                                                cfg.gqa_reduce, cfg.radius_weight), P)
+            tokens["small_chunks"] = small.tokens(pick(index_small, qt), P)
             for f in (2, 4, 8):   # two stages: lychee's cut at f x the budget, the budget's tokens of most mass
-                wide = ch.tokens(select_chunks(index, qt, f * retrieve, cfg.expansion(f * retrieve), cfg.gqa_reduce,
-                                               cfg.radius_weight), P) & ~base
+                wide = ch.tokens(pick(index, qt, f * retrieve), P) & ~base
                 tokens[f"rerank_{f}"] = torch.zeros(H, P, dtype=torch.bool).scatter_(
                     1, probs.masked_fill(~wide, -1).topk(retrieve, dim=-1).indices, True) & wide
             pages = select_pages(qt, kmin, kmax, retrieve, page, cfg.gqa_reduce)
